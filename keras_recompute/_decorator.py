@@ -1,0 +1,145 @@
+"""`recompute_grad`: the decorator, its options, and the dispatch to a backend."""
+
+import functools
+import inspect
+import sys
+
+from keras_recompute import _config
+from keras_recompute._errors import RecomputeError
+
+# Keras passes these to `call` only when its signature accepts them; a
+# decorated plain function gets the same courtesy.
+_KERAS_CALL_KWARGS = ("training", "mask")
+
+
+def recompute_grad(fn=None, *, enabled=None):
+    """Recomputes a call's activations in the backward pass instead of storing them.
+
+    Decorate a Keras `Layer.call` (or any function or callable that runs
+    Keras layers or TensorFlow ops). When recompute is on, the forward pass
+    keeps only the call's inputs; its intermediate activations are computed
+    again during the backward pass. Gradients of the inputs and of every
+    trainable weight the call reads (found automatically, nested layers and
+    layers built in the first call included) equal those of the plain call.
+
+    Recompute is on when `RECOMPUTE` is set to `1`, `true`, `yes` or `on`, or
+    inside `recompute_scope(True)`; it is read when the call runs. When off,
+    the original function runs unchanged.
+
+    Args:
+        fn: the function to decorate. Leave it out to pass options:
+            `@recompute_grad(enabled=True)`.
+        enabled: `None` (default) follows `RECOMPUTE` and `recompute_scope`;
+            `True` or `False` fixes the choice for this function.
+
+    Returns:
+        The decorated function, with `__wrapped__` set to `fn` and the same
+        signature.
+
+    Raises:
+        TypeError: if `fn` is not callable or `enabled` is not a bool or None.
+
+    Example:
+
+    ```python
+    class Block(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.inner = keras.layers.Dense(512, activation="gelu")
+            self.outer = keras.layers.Dense(128)
+
+        @recompute_grad
+        def call(self, inputs, training=None):
+            return inputs + self.outer(self.inner(inputs))
+    ```
+    """
+    if enabled is not None and not isinstance(enabled, bool):
+        raise TypeError(
+            "keras_recompute: recompute_grad(enabled=...) takes True, False or "
+            f"None; received {enabled!r} of type {type(enabled).__name__}."
+        )
+    if fn is None:
+        return functools.partial(recompute_grad, enabled=enabled)
+    if not callable(fn):
+        hint = (
+            " To fix the choice, write @recompute_grad(enabled=True)."
+            if isinstance(fn, bool)
+            else ""
+        )
+        raise TypeError(
+            "keras_recompute: recompute_grad decorates a function, a method "
+            f"such as Layer.call, or a callable; received {fn!r} of type "
+            f"{type(fn).__name__}.{hint}"
+        )
+
+    name = getattr(fn, "__qualname__", None) or type(fn).__name__
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        signature = None
+    dropped = _kwargs_to_drop(signature)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        on = _config.is_enabled() if enabled is None else enabled
+        if not on:
+            return fn(*args, **kwargs)
+        for key in dropped:
+            kwargs.pop(key, None)
+        return _dispatch(args, kwargs)(fn, args, kwargs, _describe(name, args))
+
+    if signature is not None:
+        # tf_keras reads a call's arguments with getfullargspec, which ignores
+        # __wrapped__ but honours __signature__.
+        wrapper.__signature__ = signature
+    return wrapper
+
+
+def _kwargs_to_drop(signature):
+    if signature is None:
+        return ()
+    parameters = signature.parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return ()
+    names = {p.name for p in parameters}
+    return tuple(key for key in _KERAS_CALL_KWARGS if key not in names)
+
+
+def _describe(name, args):
+    owner = args[0] if args else None
+    layer_name = getattr(owner, "name", None)
+    if isinstance(layer_name, str) and hasattr(owner, "trainable_weights"):
+        return f"{name} of layer {layer_name!r}"
+    return name
+
+
+def _dispatch(args, kwargs):
+    """Returns the `recompute_call` of the backend that runs this call."""
+    backend = _backend_of(args, kwargs)
+    if backend == "tensorflow":
+        from keras_recompute.backends import tensorflow
+
+        return tensorflow.recompute_call
+    raise RecomputeError(
+        f"keras_recompute: recompute is on (RECOMPUTE or recompute_scope) but "
+        f"the {backend!r} backend has no recompute path in this version. Use "
+        "KERAS_BACKEND=tensorflow, or turn recompute off."
+    )
+
+
+def _backend_of(args, kwargs):
+    """Finds which framework runs the call, importing none of them."""
+    from keras_recompute.backends import _keras3
+
+    if args and _keras3.is_layer(args[0]):
+        return _keras3.backend_name()
+    tensorflow = sys.modules.get("tensorflow")
+    if tensorflow is not None:
+        return "tensorflow"
+    if _keras3.loaded():
+        return _keras3.backend_name()
+    raise RecomputeError(
+        "keras_recompute: recompute is on but neither TensorFlow nor Keras 3 "
+        "has been imported, so there is no framework to recompute with. "
+        "Import keras or tensorflow before calling the decorated function."
+    )

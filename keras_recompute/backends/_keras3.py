@@ -1,0 +1,156 @@
+"""Keras 3 state around a recomputed call: the one place for private Keras APIs.
+
+Every backend path imports this module lazily, after Keras 3 has been imported
+by the user. Tested on Keras 3.15.
+
+NOTE [ state during the recompute ]
+A recomputed call must see the state the forward saw and must leave no trace:
+  * Random ops in Keras 3 draw their seeds from `SeedGenerator` variables that
+    each draw advances. The forward advances them; the recompute would draw the
+    next seeds, so dropout masks would differ and gradients would be silently
+    wrong (the bug users reported against the seed code).
+  * Layers such as `BatchNormalization` assign their moving statistics in
+    `call`. A second run must not assign them a second time.
+Before the forward we read every non-trainable variable of the layer (seed
+states, moving statistics, frozen weights; reading is free, the tensor shares
+the buffer until the variable is written). The recompute runs inside a
+`keras.StatelessScope` that maps each of those variables to that value: reads
+see the forward's values, assignments are collected and dropped, losses added
+by `add_loss` are collected and dropped. Trainable variables are not mapped, so
+the recompute reads the real variables and the gradient tape sees them.
+The autocast scope that `Layer.__call__` opened around the forward (mixed
+precision) is re-entered as well, so the recompute casts variables the same way.
+"""
+
+import sys
+
+
+def loaded():
+    """Whether Keras 3 has been imported (tf_keras alone does not count)."""
+    keras = sys.modules.get("keras")
+    return keras is not None and hasattr(keras, "StatelessScope")
+
+
+def is_layer(obj):
+    """Whether `obj` is a Keras 3 layer, without importing Keras."""
+    return loaded() and isinstance(obj, sys.modules["keras"].Layer)
+
+
+def backend_name():
+    return sys.modules["keras"].config.backend()
+
+
+class CallState:
+    """What the recompute of one call needs to see the forward's state."""
+
+    def __init__(self, snapshot, autocast_scope):
+        self.snapshot = snapshot
+        self.autocast_scope = autocast_scope
+
+    def map_values(self, fn):
+        """The same state with `fn` applied to each snapshot value."""
+        snapshot = [(variable, fn(value)) for variable, value in self.snapshot]
+        return CallState(snapshot, self.autocast_scope)
+
+
+def capture(owner, to_tensor):
+    """Records the state a recompute must replay, before the forward runs.
+
+    Args:
+        owner: the object whose method is decorated (a Keras layer), or None.
+        to_tensor: the backend's `convert_to_tensor`, which reads a variable.
+
+    Returns:
+        A `CallState`, or None when Keras 3 is not in use.
+    """
+    if not loaded():
+        return None
+    from keras.src.backend.common import global_state
+
+    variables = []
+    if is_layer(owner):
+        variables.extend(owner.non_trainable_variables)
+    global_seeds = global_state.get_global_attribute("global_seed_generator")
+    if global_seeds is not None:
+        variables.append(global_seeds.state)
+    autocast_scope = global_state.get_global_attribute("autocast_scope")
+    seen = set()
+    snapshot = []
+    # Read the stored values, not the autocast ones; through any stateless
+    # scope around this call, so a nested recompute sees what its parent saw.
+    with _SetAutocast(None):
+        for variable in variables:
+            if id(variable) not in seen:
+                seen.add(id(variable))
+                snapshot.append((variable, to_tensor(variable.value)))
+    return CallState(snapshot, autocast_scope)
+
+
+class replay:
+    """Context manager for the recompute: the forward's state, no side effects."""
+
+    def __init__(self, state):
+        self._state = state
+        self._scopes = ()
+
+    def __enter__(self):
+        if self._state is not None:
+            self._scopes = (
+                _replay_scope_class()(self._state.snapshot),
+                _SetAutocast(self._state.autocast_scope),
+            )
+            for scope in self._scopes:
+                scope.__enter__()
+        return self
+
+    def __exit__(self, *exc_info):
+        for scope in reversed(self._scopes):
+            scope.__exit__(*exc_info)
+        self._scopes = ()
+        return False
+
+
+_REPLAY_SCOPE = []
+
+
+def _replay_scope_class():
+    """A `StatelessScope` that falls back on the scope it is nested in."""
+    if not _REPLAY_SCOPE:
+        import keras
+        from keras.src.backend.common.stateless_scope import get_stateless_scope
+
+        class ReplayScope(keras.StatelessScope):
+            def __init__(self, state_mapping):
+                super().__init__(
+                    state_mapping=state_mapping,
+                    collect_losses=True,
+                    initialize_variables=False,
+                )
+                self._parent = get_stateless_scope()
+
+            def get_current_value(self, variable):
+                value = self.state_mapping.get(id(variable))
+                if value is None and self._parent is not None:
+                    value = self._parent.get_current_value(variable)
+                return value
+
+        _REPLAY_SCOPE.append(ReplayScope)
+    return _REPLAY_SCOPE[0]
+
+
+class _SetAutocast:
+    """Sets Keras's global autocast scope (None included) for a block."""
+
+    def __init__(self, scope):
+        self._scope = scope
+
+    def __enter__(self):
+        from keras.src.backend.common import global_state
+
+        self._previous = global_state.get_global_attribute("autocast_scope")
+        global_state.set_global_attribute("autocast_scope", self._scope)
+
+    def __exit__(self, *exc_info):
+        from keras.src.backend.common import global_state
+
+        global_state.set_global_attribute("autocast_scope", self._previous)

@@ -1,0 +1,300 @@
+"""The TF2 custom-gradient path: Keras 3 (TensorFlow backend) and tf_keras.
+
+Every test compares outputs, input gradients and every weight gradient with
+an undecorated twin holding the same weights, in eager mode, in `tf.function`
+and in `tf.function(jit_compile=True)`.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from _twins import (
+    FRAMEWORKS,
+    MODES,
+    assert_close,
+    compare_with_twin,
+    compile_mode,
+    copy_weights,
+    framework,
+    loss_and_gradients,
+    recomputed_class,
+)
+from keras_recompute import recompute_grad, recompute_scope
+
+
+@pytest.fixture(params=FRAMEWORKS)
+def K(request):
+    return framework(request.param)
+
+
+def block_class(K, counter):
+    """A residual block whose sub-layers are built in its first call."""
+
+    class Inner(K.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.dense = K.layers.Dense(24, activation="tanh")
+
+        def call(self, inputs):
+            return self.dense(inputs) * 2.0
+
+    class Block(K.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.inner = Inner()
+            self.norm = K.layers.LayerNormalization()
+            self.out = K.layers.Dense(8)
+
+        def call(self, inputs, training=None):
+            counter.append(training)
+            hidden = self.norm(self.inner(inputs))
+            return inputs + self.out(tf.nn.gelu(hidden))
+
+    return Block
+
+
+def twins(plain_class, recomputed, inputs, call=None):
+    call = call or (lambda layer, x: layer(x))
+    plain = plain_class()
+    call(plain, inputs)
+    with recompute_scope(False):
+        call(recomputed, inputs)
+    copy_weights(plain, recomputed)
+    return plain
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_block_matches_twin_and_runs_forward_twice(K, mode):
+    counter = []
+    Block = block_class(K, counter)
+    x = tf.random.stateless_normal((4, 8), seed=[1, 2])
+    recomputed = recomputed_class(Block)()
+    plain = twins(Block, recomputed, x)
+    # Weights of nested sub-layers built in the first call are found too.
+    assert len(recomputed.trainable_weights) == 6
+
+    call = lambda layer, y: layer(y, training=True)  # noqa: E731
+    counter.clear()
+    compare_with_twin(plain, recomputed, x, mode, call)
+    # The twin's forward once, ours once plus the recompute (traces in graphs).
+    assert len(counter) == 3, counter
+    assert counter[1:] == [True, True]
+
+    counter.clear()
+    with recompute_scope(False):
+        compile_mode(lambda y: loss_and_gradients(lambda z: call(recomputed, z), y, recomputed.weights), mode)(x)
+    assert len(counter) == 1
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_keywords_pass_through_and_unknown_keras_ones_drop(K, mode):
+    class Scaled(K.layers.Layer):
+        def build(self, input_shape):
+            self.kernel = self.add_weight(shape=(input_shape[-1], 5), name="kernel")
+
+        def call(self, inputs, bias=None, scale=1.0, training=None):
+            assert training is True
+            out = tf.matmul(inputs, self.kernel) * scale
+            return out + bias if bias is not None else out
+
+    class NoTraining(K.layers.Layer):
+        def build(self, input_shape):
+            self.kernel = self.add_weight(shape=(input_shape[-1], 5), name="kernel")
+
+        def call(self, inputs):
+            return tf.tanh(tf.matmul(inputs, self.kernel))
+
+    x = tf.random.stateless_normal((3, 4), seed=[3, 4])
+    bias = tf.random.stateless_normal((3, 5), seed=[5, 6])
+
+    def call(layer, inputs):
+        x, bias = inputs
+        return layer(x, bias=bias, scale=3.0, training=True)
+
+    recomputed = recomputed_class(Scaled)()
+    plain = twins(Scaled, recomputed, (x, bias), call)
+    # The float keyword `bias` gets its gradient too.
+    compare_with_twin(plain, recomputed, (x, bias), mode, call)
+
+    recomputed = recomputed_class(NoTraining)()
+    plain = twins(NoTraining, recomputed, x)
+    compare_with_twin(plain, recomputed, x, mode, lambda layer, y: layer(y, training=True))
+
+
+def test_plain_function_drops_keras_keywords_it_does_not_take():
+    weight = tf.Variable([[2.0]])
+    fn = recompute_grad(lambda x: x @ weight)
+    with recompute_scope(True), tf.GradientTape() as tape:
+        y = fn(tf.ones((1, 1)), training=True, mask=None)
+    assert float(tape.gradient(y, weight)[0, 0]) == 1.0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_nested_inputs_and_outputs(K, mode):
+    class Nested(K.layers.Layer):
+        def build(self, input_shape):
+            self.kernel = self.add_weight(shape=(6, 6), name="kernel")
+
+        def call(self, inputs):
+            a = inputs["a"]
+            b, c = inputs["pair"]
+            mixed = tf.tanh(tf.matmul(a + b * c, self.kernel))
+            return mixed, {"sum": mixed + a, "product": [mixed * c]}
+
+    inputs = {
+        "a": tf.random.stateless_normal((2, 6), seed=[1, 1]),
+        "pair": [tf.random.stateless_normal((2, 6), seed=[2, 2]), tf.random.stateless_normal((2, 6), seed=[3, 3])],
+    }
+    recomputed = recomputed_class(Nested)()
+    plain = twins(Nested, recomputed, inputs)
+    compare_with_twin(plain, recomputed, inputs, mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_token_ids_and_boolean_masks_pass_through(K, mode):
+    class Embed(K.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.embedding = K.layers.Embedding(11, 6)
+            self.dense = K.layers.Dense(6)
+
+        def call(self, inputs):
+            ids, keep, features = inputs
+            hidden = self.dense(self.embedding(ids) + features)
+            hidden = tf.where(keep[..., None], hidden, tf.zeros_like(hidden))
+            return hidden, ids * 2, keep
+
+    ids = tf.constant([[1, 4, 9], [0, 3, 10]])
+    keep = tf.constant([[True, False, True], [True, True, False]])
+    features = tf.random.stateless_normal((2, 3, 6), seed=[4, 4])
+    recomputed = recomputed_class(Embed)()
+    plain = twins(Embed, recomputed, (ids, keep, features))
+    actual, _ = compare_with_twin(plain, recomputed, (ids, keep, features), mode)
+    outputs = actual[0]
+    assert outputs[1].dtype == tf.int32 and outputs[2].dtype == tf.bool
+    np.testing.assert_array_equal(outputs[1], ids * 2)
+
+
+@pytest.mark.parametrize("dtype", [tf.float16, tf.bfloat16])
+@pytest.mark.parametrize("mode", MODES)
+def test_low_precision_inputs_are_differentiated(dtype, mode):
+    weight = tf.Variable(tf.random.stateless_normal((4, 4), seed=[9, 9]))
+
+    def fn(x):
+        return tf.cast(tf.tanh(tf.matmul(tf.cast(x, tf.float32), weight)), x.dtype)
+
+    x = tf.cast(tf.random.stateless_normal((3, 4), seed=[8, 8]), dtype)
+    run = lambda f: compile_mode(lambda y: loss_and_gradients(f, y, [weight]), mode)  # noqa: E731
+    expected = run(fn)(x)
+    with recompute_scope(True):
+        actual = run(recompute_grad(fn))(x)
+    assert actual[1][0].dtype == dtype
+    assert_close(actual, expected, rtol=1e-2)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_non_trainable_weights_get_no_gradient(K, mode):
+    class Partly(K.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.frozen = K.layers.Dense(5)
+            self.frozen.trainable = False
+            self.live = K.layers.Dense(5)
+
+        def build(self, input_shape):
+            self.offset = self.add_weight(shape=(5,), initializer="ones", trainable=False, name="offset")
+
+        def call(self, inputs):
+            return tf.tanh(self.live(inputs) + self.frozen(inputs) * self.offset)
+
+    x = tf.random.stateless_normal((3, 4), seed=[6, 1])
+    recomputed = recomputed_class(Partly)()
+    plain = twins(Partly, recomputed, x)
+    assert len(recomputed.non_trainable_weights) == 3
+    compare_with_twin(plain, recomputed, x, mode, weights="trainable_weights")
+    # Asked for explicitly, frozen weights get no gradient. (Keras 3's plain
+    # call gives frozen weights one, as their tf.Variable stays trainable;
+    # its trainers never ask for it.)
+    with recompute_scope(True):
+        _, gradients = compile_mode(
+            lambda y: loss_and_gradients(recomputed, y, recomputed.non_trainable_weights), mode
+        )(x)
+    assert all(gradient is None for gradient in gradients[1:]), gradients
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_same_tensor_passed_three_times(K, mode):
+    """Self-attention passes q = k = v: the input gradient must not be tripled."""
+
+    class Attention(K.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.q, self.k, self.v = (K.layers.Dense(6) for _ in range(3))
+
+        def call(self, query, key, value):
+            scores = tf.nn.softmax(tf.matmul(self.q(query), self.k(key), transpose_b=True))
+            return tf.matmul(scores, self.v(value))
+
+    x = tf.random.stateless_normal((2, 5, 6), seed=[2, 7])
+    call = lambda layer, y: layer(y, y, y)  # noqa: E731
+    recomputed = recomputed_class(Attention)()
+    plain = twins(Attention, recomputed, x, call)
+    compare_with_twin(plain, recomputed, x, mode, call)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_plain_function_and_callable_find_their_variables(K, mode):
+    w1 = tf.Variable(tf.random.stateless_normal((4, 8), seed=[1, 3]))
+    w2 = tf.Variable(tf.random.stateless_normal((8, 4), seed=[1, 4]))
+
+    def mlp(x):
+        return tf.matmul(tf.nn.relu(tf.matmul(x, w1)), w2)
+
+    x = tf.random.stateless_normal((3, 4), seed=[1, 5])
+    run = lambda f, weights: compile_mode(lambda y: loss_and_gradients(f, y, weights), mode)  # noqa: E731
+    expected = run(mlp, [w1, w2])(x)
+    with recompute_scope(True):
+        actual = run(recompute_grad(mlp), [w1, w2])(x)
+    assert_close(actual, expected)
+
+    # A layer object is a callable: its weights are found without being named.
+    dense = K.layers.Dense(4, activation="tanh")
+    dense(x)
+    expected = run(dense, dense.trainable_weights)(x)
+    with recompute_scope(True):
+        actual = run(recompute_grad(dense), dense.trainable_weights)(x)
+    assert_close(actual, expected)
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_fit_and_train_on_batch_match_twin(K, jit_compile, monkeypatch):
+    counter = []
+    Block = block_class(K, counter)
+    Recomputed = recomputed_class(Block)
+    x = np.random.RandomState(0).normal(size=(16, 8)).astype("float32")
+    y = np.random.RandomState(1).normal(size=(16, 8)).astype("float32")
+
+    def model_for(block):
+        inputs = K.Input((8,))
+        return K.Model(inputs, K.layers.Dense(8)(block(inputs)))
+
+    def trained(recompute):
+        monkeypatch.setenv("RECOMPUTE", "1" if recompute else "0")
+        block = Recomputed()
+        model = model_for(block)
+        model.set_weights(reference.get_weights())
+        model.compile(optimizer=K.optimizers.SGD(0.1), loss="mse", jit_compile=jit_compile)
+        counter.clear()
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        model.train_on_batch(x[:8], y[:8])
+        return model.get_weights(), list(counter)
+
+    reference = model_for(Block())
+    plain_weights, plain_calls = trained(recompute=False)
+    weights, calls = trained(recompute=True)
+    for actual, expected in zip(weights, plain_weights):
+        np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)
+    # The traced training step ran the block's call once more: the recompute.
+    assert calls.count(True) > plain_calls.count(True) > 0
+    assert not np.allclose(weights[0], reference.get_weights()[0])
