@@ -3,7 +3,7 @@
 Each configuration trains in a fresh subprocess with TensorFlow's BFC allocator
 on the CPU (`TF_CPU_ALLOCATOR_USE_BFC=1`), so
 `tf.config.experimental.get_memory_info("CPU:0")["peak"]` is the true peak of
-tensor memory. The table prints the peak and the median step time of each
+tensor memory. The table prints the peak and the fastest step time of each
 configuration, and both as ratios against no recompute from the same run.
 
 Usage:

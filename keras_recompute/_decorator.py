@@ -12,7 +12,7 @@ from keras_recompute._errors import RecomputeError
 _KERAS_CALL_KWARGS = ("training", "mask")
 
 
-def recompute_grad(fn=None, *, enabled=None):
+def recompute_grad(fn=None, *, enabled=None, check=True):
     """Recomputes a call's activations in the backward pass instead of storing them.
 
     Decorate a Keras `Layer.call` (or any function or callable that runs
@@ -31,13 +31,18 @@ def recompute_grad(fn=None, *, enabled=None):
             `@recompute_grad(enabled=True)`.
         enabled: `None` (default) follows `RECOMPUTE` and `recompute_scope`;
             `True` or `False` fixes the choice for this function.
+        check: `True` (default) compares the recompute's outputs with the
+            forward's and raises `RecomputeError` if they differ, instead of
+            returning the gradient of another function. Their number, shapes
+            and dtypes are always compared; `False` skips only the values.
 
     Returns:
         The decorated function, with `__wrapped__` set to `fn` and the same
         signature.
 
     Raises:
-        TypeError: if `fn` is not callable or `enabled` is not a bool or None.
+        TypeError: if `fn` is not callable, `enabled` is not a bool or None,
+            or `check` is not a bool.
 
     Example:
 
@@ -58,8 +63,13 @@ def recompute_grad(fn=None, *, enabled=None):
             "keras_recompute: recompute_grad(enabled=...) takes True, False or "
             f"None; received {enabled!r} of type {type(enabled).__name__}."
         )
+    if not isinstance(check, bool):
+        raise TypeError(
+            "keras_recompute: recompute_grad(check=...) takes True or False; "
+            f"received {check!r} of type {type(check).__name__}."
+        )
     if fn is None:
-        return functools.partial(recompute_grad, enabled=enabled)
+        return functools.partial(recompute_grad, enabled=enabled, check=check)
     if not callable(fn):
         hint = (
             " To fix the choice, write @recompute_grad(enabled=True)."
@@ -86,7 +96,7 @@ def recompute_grad(fn=None, *, enabled=None):
             return fn(*args, **kwargs)
         for key in dropped:
             kwargs.pop(key, None)
-        return _dispatch(args, kwargs)(fn, args, kwargs, _describe(name, args))
+        return _dispatch(args, kwargs)(fn, args, kwargs, _describe(name, args), check=check)
 
     if signature is not None:
         # tf_keras reads a call's arguments with getfullargspec, which ignores

@@ -26,7 +26,7 @@ in graph mode inside `tf.function`; see `_wait_for`.
 import tensorflow as tf
 
 from keras_recompute._errors import RecomputeError
-from keras_recompute.backends import _keras3
+from keras_recompute.backends import _keras3, _tf_keras
 from keras_recompute.backends._tf_private import stop_recording
 
 
@@ -34,7 +34,7 @@ def _is_differentiable(value):
     return isinstance(value, tf.Tensor) and value.dtype.is_floating
 
 
-def recompute_call(fn, args, kwargs, name):
+def recompute_call(fn, args, kwargs, name, check=True):
     """Calls `fn(*args, **kwargs)`, keeping only its inputs for the backward.
 
     Args:
@@ -42,6 +42,8 @@ def recompute_call(fn, args, kwargs, name):
         args: positional arguments, `self` first for a method.
         kwargs: keyword arguments.
         name: what to call `fn` in error messages.
+        check: compare the recompute's outputs with the forward's and raise
+            `RecomputeError` when they differ (see NOTE [ the recompute check ]).
 
     Returns:
         What `fn` returns, with the same structure.
@@ -64,33 +66,27 @@ def recompute_call(fn, args, kwargs, name):
         call_args, call_kwargs = tf.nest.pack_sequence_as(structure, new_leaves)
         return fn(*call_args, **call_kwargs)
 
-    owner = args[0] if args else None
+    owner = _owner(fn, args)
     keras_state = _keras3.capture(owner, tf.convert_to_tensor)
+    legacy_state = None if _keras3.is_layer(owner) else _tf_keras.capture(owner, name)
     # Filled by the forward: the output structure, and its non-float leaves,
     # which leave the custom gradient by this side door.
     forward = {}
 
     @tf.custom_gradient
     def checkpointed(*inputs):
-        with stop_recording():
+        with stop_recording(), _maybe(legacy_state and legacy_state.forward()):
             outputs = call_with(inputs)
         out_leaves = tf.nest.flatten(outputs)
-        out_positions = [
-            i for i, leaf in enumerate(out_leaves) if _is_differentiable(leaf)
-        ]
-        forward["outputs"] = outputs
-        forward["leaves"] = out_leaves
-        forward["positions"] = out_positions
+        out_positions = [i for i, leaf in enumerate(out_leaves) if _is_differentiable(leaf)]
+        forward.update(outputs=outputs, leaves=out_leaves, positions=out_positions)
+        expected = _Expected(out_leaves, out_positions, keep_values=check)
 
         def grad(*upstream, variables=None):
             variables = list(variables or ())
             frozen = _frozen_variable_ids(owner)
             trainable = [v for v in variables if v.trainable and id(v) not in frozen]
-            pairs = [
-                (position, g)
-                for position, g in zip(out_positions, upstream)
-                if g is not None
-            ]
+            pairs = [(position, g) for position, g in zip(out_positions, upstream) if g is not None]
             if not pairs:
                 return [None] * len(inputs), [None] * len(variables)
             wait = _waiter([g for _, g in pairs])
@@ -100,24 +96,19 @@ def recompute_call(fn, args, kwargs, name):
             with tf.GradientTape(watch_accessed_variables=False) as tape:
                 tape.watch(replay_inputs)
                 tape.watch(trainable)
-                with _keras3.replay(state):
+                with _keras3.replay(state), _maybe(legacy_state and legacy_state.replay()):
                     replayed = call_with(replay_inputs, constants)
             replayed_leaves = tf.nest.flatten(replayed)
-            if len(replayed_leaves) != len(out_leaves):
-                raise RecomputeError(
-                    f"keras_recompute: the recompute of {name} returned "
-                    f"{len(replayed_leaves)} tensors, the forward "
-                    f"{len(out_leaves)}. A recomputed call must be a pure "
-                    "function of its inputs and weights."
-                )
+            checks = expected.compare(replayed_leaves, name, check)
             targets = [replayed_leaves[position] for position, _ in pairs]
-            grads = tape.gradient(
-                targets,
-                replay_inputs + trainable,
-                output_gradients=[g for _, g in pairs],
-            )
+            with tf.control_dependencies(checks):
+                grads = tape.gradient(
+                    targets,
+                    replay_inputs + trainable,
+                    output_gradients=[g for _, g in pairs],
+                )
             input_grads = grads[: len(replay_inputs)]
-            by_variable = dict(zip((id(v) for v in trainable), grads[len(replay_inputs):]))
+            by_variable = dict(zip((id(v) for v in trainable), grads[len(replay_inputs) :]))
             variable_grads = [by_variable.get(id(v)) for v in variables]
             return input_grads, variable_grads
 
@@ -128,6 +119,102 @@ def recompute_call(fn, args, kwargs, name):
     for position, value in zip(forward["positions"], float_outputs):
         out_leaves[position] = value
     return tf.nest.pack_sequence_as(forward["outputs"], out_leaves)
+
+
+def _owner(fn, args):
+    """The layer whose state the call uses: `self` of a method, or `fn` itself."""
+    for candidate in (args[0] if args else None, fn):
+        if hasattr(candidate, "non_trainable_weights") and hasattr(candidate, "trainable_weights"):
+            return candidate
+    return None
+
+
+class _maybe:
+    """`with _maybe(context):` enters `context` unless it is None (or False)."""
+
+    def __init__(self, context):
+        self._context = context or None
+
+    def __enter__(self):
+        if self._context is not None:
+            self._context.__enter__()
+
+    def __exit__(self, *exc_info):
+        if self._context is not None:
+            return self._context.__exit__(*exc_info)
+        return False
+
+
+class _Expected:
+    """What the recompute must reproduce: the forward's outputs.
+
+    NOTE [ the recompute check ]
+    A recompute that differs from its forward (a Python branch on mutable
+    state, a shape that depends on a counter, a random op we cannot replay)
+    would silently give the gradient of another function. The number, shapes
+    and dtypes of the outputs are compared always, at no cost. With
+    `check=True` (the default) the float values are compared too: in eager
+    mode in Python, in a `tf.function` by an assert op (XLA drops assert ops,
+    so under `jit_compile=True` only the structure is checked). Keeping the
+    forward's outputs until the backward costs nothing in a chain of blocks,
+    where each output is the next block's saved input. A relative tolerance of
+    1e-3 leaves room for a compiler that fuses the recompute differently.
+    """
+
+    TOLERANCE = 1e-3
+
+    def __init__(self, leaves, positions, keep_values):
+        self.count = len(leaves)
+        self.specs = [(leaves[i].shape, leaves[i].dtype) for i in positions]
+        self.positions = positions
+        self.values = [leaves[i] for i in positions] if keep_values else None
+
+    def compare(self, replayed_leaves, name, check_values):
+        """Raises `RecomputeError` on a difference; returns graph assert ops."""
+        if len(replayed_leaves) != self.count:
+            raise RecomputeError(
+                f"keras_recompute: the recompute of {name} returned {len(replayed_leaves)} "
+                f"values, its forward {self.count}. A recomputed call must compute the same "
+                "function of its inputs each time; pass check=False to recompute_grad only "
+                "if you know the difference is harmless."
+            )
+        for index, (position, (shape, dtype)) in enumerate(zip(self.positions, self.specs)):
+            leaf = replayed_leaves[position]
+            if not isinstance(leaf, tf.Tensor) or leaf.dtype != dtype or not _same_shape(leaf.shape, shape):
+                got = f"{leaf.dtype.name} {leaf.shape}" if isinstance(leaf, tf.Tensor) else repr(leaf)
+                raise RecomputeError(
+                    f"keras_recompute: the recompute of {name} returned output {index} as "
+                    f"{got}, its forward as {dtype.name} {shape}. A recomputed call must "
+                    "compute the same function of its inputs each time (no branches on "
+                    "state that the call itself changes)."
+                )
+        if not check_values or self.values is None:
+            return []
+        asserts = []
+        for index, (position, before) in enumerate(zip(self.positions, self.values)):
+            after = replayed_leaves[position]
+            difference = tf.reduce_max(tf.abs(tf.cast(after, tf.float32) - tf.cast(before, tf.float32)))
+            scale = tf.reduce_max(tf.abs(tf.cast(before, tf.float32)))
+            limit = self.TOLERANCE * scale + 1e-6
+            message = (
+                f"keras_recompute: the recompute of {name} gave output {index} values that "
+                "differ from its forward's. A recomputed call must compute the same function "
+                "of its inputs each time: no Python branch on state the call changes, no "
+                "random op outside Keras's random layers. Pass check=False to recompute_grad "
+                "to skip this check."
+            )
+            if tf.executing_eagerly():
+                if not bool(difference <= limit):
+                    raise RecomputeError(message + f" Largest difference: {float(difference):.3g}.")
+            else:
+                asserts.append(tf.debugging.assert_less_equal(difference, limit, message=message))
+        return asserts
+
+
+def _same_shape(a, b):
+    if a.rank is None or b.rank is None:
+        return True
+    return a.rank == b.rank and all(x is None or y is None or x == y for x, y in zip(a.as_list(), b.as_list()))
 
 
 def _frozen_variable_ids(owner):

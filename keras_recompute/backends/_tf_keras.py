@@ -1,0 +1,268 @@
+"""tf_keras (Keras 2) state around a recomputed call: the one place for private tf_keras APIs.
+
+Imported by the TF path only once `tf_keras` is in `sys.modules`. Tested on
+tf_keras 2.21.
+
+NOTE [ tf_keras random draws ]
+tf_keras layers draw randomness through `tf_keras.backend.RandomGenerator`,
+in one of three ways (its `rng_type`):
+  * "stateless": the same seed every call; a recompute draws the same values.
+  * "stateful" (after `tf_keras.backend.experimental.enable_tf_random_generator()`):
+    a `tf.random.Generator` whose state is a variable. We read the state before
+    the forward's first draw and, in the recompute, rewind the generator to it
+    and put it back afterwards: the same masks at no memory cost, and the
+    stream after the step is where the plain layer leaves it.
+  * "legacy_stateful" (the default): TF's stateful random ops, whose state
+    lives inside op kernels and cannot be rewound. We record what the forward
+    drew and replay it: for dropout the boolean keep mask (one byte an
+    element), for other draws the values themselves. Exact, at that memory
+    cost; `enable_tf_random_generator()` removes it.
+`RandomGenerator`'s four drawing methods are wrapped once, at the first
+recomputed call. Outside a recomputed call the wrapper is one attribute read
+away from the original method.
+
+NOTE [ tf_keras state updates ]
+`BatchNormalization` and other layers assign non-trainable variables in
+`call`. tf_keras has no stateless scope, so the recompute saves the current
+values of the non-trainable weights of the call's trainable layers (frozen
+layers update nothing and may hold large weights), and assigns them back after
+the recompute: the second update is undone.
+
+NOTE [ tf_keras mixed precision ]
+Under a mixed policy, `Layer.__call__` reads `AutoCastVariable`s in the compute
+dtype by setting a thread-local dtype. The recompute runs outside `__call__`,
+so that dtype is captured with the forward and set again for the recompute.
+"""
+
+import sys
+import threading
+
+import tensorflow as tf
+
+from keras_recompute._errors import RecomputeError
+
+_local = threading.local()
+_METHODS = ("dropout", "random_uniform", "random_normal", "truncated_normal")
+_patched = []
+
+
+def loaded():
+    return "tf_keras" in sys.modules
+
+
+def _stack():
+    stack = getattr(_local, "stack", None)
+    if stack is None:
+        stack = _local.stack = []
+    return stack
+
+
+class RandomTape:
+    """The random draws of one recomputed call: recorded, then replayed."""
+
+    def __init__(self, name):
+        self.name = name
+        self.records = []  # legacy draws: (method, value)
+        self.generator_states = {}  # id(generator) -> (generator, state before the forward)
+        self.replaying = False
+        self._position = 0
+        self._restore = {}  # id(generator) -> (generator, state before the recompute)
+
+    def replay(self):
+        """Context manager: draws inside it come from this tape."""
+        return _Active(self, replaying=True)
+
+    def record(self):
+        """Context manager: draws inside it are recorded on this tape."""
+        return _Active(self, replaying=False)
+
+    def _next(self, method):
+        if self._position >= len(self.records):
+            raise RecomputeError(
+                f"keras_recompute: the recompute of {self.name} drew more random "
+                f"values ({method}) than its forward did. A recomputed call must "
+                "draw the same random values in the same order each time."
+            )
+        recorded_method, value = self.records[self._position]
+        self._position += 1
+        if recorded_method != method:
+            raise RecomputeError(
+                f"keras_recompute: the recompute of {self.name} drew with "
+                f"{method} where its forward drew with {recorded_method}. A "
+                "recomputed call must draw in the same order each time."
+            )
+        return value
+
+    def _rewind(self, generator):
+        key = id(generator)
+        if key in self.generator_states and key not in self._restore:
+            self._restore[key] = (generator, tf.identity(generator.state))
+            generator.state.assign(self.generator_states[key][1])
+
+    def _finish_replay(self):
+        for generator, state in self._restore.values():
+            generator.state.assign(state)
+        self._restore = {}
+        if self._position != len(self.records):
+            raise RecomputeError(
+                f"keras_recompute: the recompute of {self.name} drew "
+                f"{self._position} random tensors, its forward {len(self.records)}. "
+                "A recomputed call must draw the same random values each time."
+            )
+        self._position = 0
+
+
+class _Active:
+    def __init__(self, tape, replaying):
+        self._tape = tape
+        self._replaying = replaying
+
+    def __enter__(self):
+        _install()
+        self._tape.replaying = self._replaying
+        _stack().append(self._tape)
+        return self._tape
+
+    def __exit__(self, exc_type, *exc_info):
+        _stack().pop()
+        if self._replaying and exc_type is None:
+            self._tape._finish_replay()
+        return False
+
+
+def _install():
+    """Wraps `RandomGenerator`'s drawing methods, once."""
+    if _patched:
+        return
+    from tf_keras.src import backend
+
+    cls = backend.RandomGenerator
+    for name in _METHODS:
+        original = getattr(cls, name)
+        setattr(cls, name, _wrap(name, original))
+    _patched.append(cls)
+
+
+def _wrap(method, original):
+    def draw(self, *args, **kwargs):
+        stack = getattr(_local, "stack", None)
+        if not stack:
+            return original(self, *args, **kwargs)
+        return _draw(method, original, self, args, kwargs, stack)
+
+    draw.__wrapped__ = original
+    draw.__name__ = original.__name__
+    draw.__doc__ = original.__doc__
+    return draw
+
+
+def _draw(method, original, generator_owner, args, kwargs, stack):
+    generator_owner._maybe_init()
+    rng_type = generator_owner._rng_type
+    if rng_type == generator_owner.RNG_STATELESS:
+        return original(generator_owner, *args, **kwargs)
+    replay_index = max((i for i, tape in enumerate(stack) if tape.replaying), default=-1)
+    recorders = [tape for tape in stack[replay_index + 1 :] if not tape.replaying]
+
+    if rng_type == generator_owner.RNG_STATEFUL:
+        generator = generator_owner._generator
+        if replay_index >= 0:
+            stack[replay_index]._rewind(generator)
+        for tape in recorders:
+            if id(generator) not in tape.generator_states:
+                tape.generator_states[id(generator)] = (generator, tf.identity(generator.state))
+        return original(generator_owner, *args, **kwargs)
+
+    # Legacy stateful ops: record the draw, or replay it.
+    if method == "dropout":
+        return _legacy_dropout(original, generator_owner, args, kwargs, stack, replay_index, recorders)
+    if replay_index >= 0:
+        value = stack[replay_index]._next(method)
+    else:
+        value = original(generator_owner, *args, **kwargs)
+    for tape in recorders:
+        tape.records.append((method, value))
+    return value
+
+
+def _legacy_dropout(original, generator_owner, args, kwargs, stack, replay_index, recorders):
+    inputs, rate, noise_shape = _dropout_arguments(*args, **kwargs)
+    if replay_index >= 0:
+        keep = stack[replay_index]._next("dropout")
+    else:
+        # The same random op with the same seed as tf.nn.dropout(inputs, ...):
+        # the same mask the plain layer would draw. Its values are 0 or scale.
+        scaled = original(generator_owner, tf.ones_like(inputs), rate, noise_shape)
+        keep = tf.not_equal(scaled, 0)
+    for tape in recorders:
+        tape.records.append(("dropout", keep))
+    scale = tf.convert_to_tensor(1 / (1 - rate), dtype=inputs.dtype)
+    return tf.where(keep, inputs * scale, tf.zeros_like(inputs))
+
+
+def _dropout_arguments(inputs, rate, noise_shape=None):
+    return inputs, rate, noise_shape
+
+
+class CallState:
+    """What a tf_keras recompute restores: autocast dtype and state variables."""
+
+    def __init__(self, owner, name):
+        from tf_keras.src.mixed_precision import autocast_variable
+
+        self._autocast_module = autocast_variable
+        self.autocast_dtype = getattr(autocast_variable._autocast_dtype, "dtype", None)
+        self.random = RandomTape(name)
+        self._owner = owner
+
+    def updated_variables(self):
+        """Non-trainable weights of the trainable layers under the owner."""
+        owner = self._owner
+        if owner is None or not hasattr(owner, "_flatten_layers"):
+            return []
+        variables, seen = [], set()
+        for layer in owner._flatten_layers(include_self=True, recursive=True):
+            if not layer.trainable:
+                continue
+            for weight in layer._non_trainable_weights:
+                if id(weight) not in seen:
+                    seen.add(id(weight))
+                    variables.append(weight)
+        return variables
+
+    def forward(self):
+        return self.random.record()
+
+    def replay(self):
+        return _Replay(self)
+
+
+class _Replay:
+    def __init__(self, state):
+        self._state = state
+
+    def __enter__(self):
+        state = self._state
+        self._saved = [(v, tf.identity(v)) for v in state.updated_variables()]
+        holder = state._autocast_module._autocast_dtype
+        self._previous_dtype = getattr(holder, "dtype", None)
+        holder.dtype = state.autocast_dtype
+        self._random = state.random.replay()
+        self._random.__enter__()
+        return self
+
+    def __exit__(self, *exc_info):
+        try:
+            self._random.__exit__(*exc_info)
+        finally:
+            for variable, value in self._saved:
+                variable.assign(value)
+            self._state._autocast_module._autocast_dtype.dtype = self._previous_dtype
+        return False
+
+
+def capture(owner, name):
+    """The tf_keras state of a call about to run its forward, or None."""
+    if not loaded():
+        return None
+    return CallState(owner, name)

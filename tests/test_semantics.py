@@ -1,0 +1,412 @@
+"""Exact semantics under recompute (TF path): random draws, state updates,
+mixed precision, the recompute check, nesting and second-order gradients.
+
+Each test trains an undecorated twin and a recomputed copy from the same
+weights and the same random state, in eager mode, `tf.function` and XLA.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from _twins import FRAMEWORKS, MODES, assert_close, compile_mode, copy_weights, framework, recomputed_class
+from keras_recompute import RecomputeError, recompute_grad, recompute_scope
+
+
+@pytest.fixture(params=FRAMEWORKS)
+def K(request):
+    return framework(request.param)
+
+
+@pytest.fixture
+def tf_keras_generator():
+    """tf_keras layers built inside draw from a tf.random.Generator."""
+    import tf_keras
+
+    tf_keras.backend.experimental.enable_tf_random_generator()
+    yield
+    tf_keras.backend.experimental.disable_tf_random_generator()
+
+
+def reset_random(K, seed=0):
+    """The same global random state for the twin and for the copy."""
+    if K.__name__ == "keras":
+        K.utils.set_random_seed(seed)
+    else:
+        K.utils.set_random_seed(seed)  # also resets TF's stateful-op counters
+
+
+def noisy_block(K):
+    class Noisy(K.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.dense = K.layers.Dense(16, activation="relu")
+            self.dropout = K.layers.Dropout(0.5, seed=3)
+            self.noise = K.layers.GaussianNoise(0.3, seed=4)
+            self.out = K.layers.Dense(8)
+
+        def call(self, inputs, training=None):
+            hidden = self.dropout(self.dense(inputs), training=training)
+            return self.out(self.noise(hidden, training=training))
+
+    return Noisy
+
+
+def train(layer, x, steps, mode, optimizer=None):
+    """`steps` SGD steps on `layer`; returns each step's outputs and gradients."""
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x, training=True)
+            loss = tf.reduce_sum(tf.sin(y) * tf.cos(y * 0.7))
+        grads = tape.gradient(loss, [x] + layer.trainable_weights)
+        for weight, grad in zip(layer.trainable_weights, grads[1:]):
+            weight.assign_sub(0.1 * tf.convert_to_tensor(grad))
+        return y, grads
+
+    step = compile_mode(step, mode)
+    return [step(x) for _ in range(steps)]
+
+
+def build_twins(K, layer_class, x):
+    reset_random(K)
+    plain = layer_class()
+    plain(x)
+    reset_random(K)
+    recomputed = recomputed_class(layer_class)()
+    with recompute_scope(False):
+        recomputed(x)
+    copy_weights(plain, recomputed)
+    return plain, recomputed
+
+
+def run_twins(K, plain, recomputed, x, steps, mode):
+    reset_random(K)
+    expected = train(plain, x, steps, mode)
+    reset_random(K)
+    with recompute_scope(True):
+        actual = train(recomputed, x, steps, mode)
+    return actual, expected
+
+
+def skip_legacy_random_under_xla(K, mode):
+    if K.__name__ == "tf_keras" and mode == "jit":
+        pytest.skip(
+            "tf_keras's default (legacy stateful) random ops draw differently on every "
+            "XLA run, the plain layer's included: no twin to compare with; see "
+            "test_legacy_dropout_under_xla_matches_its_own_forward"
+        )
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_dropout_and_noise_draw_what_the_forward_drew(K, mode):
+    skip_legacy_random_under_xla(K, mode)
+    x = tf.random.stateless_normal((8, 12), seed=[1, 1])
+    plain, recomputed = build_twins(K, noisy_block(K), x)
+    actual, expected = run_twins(K, plain, recomputed, x, steps=3, mode=mode)
+    # Each step, the next step too: the random stream stays in step with the twin's.
+    for step, (a, e) in enumerate(zip(actual, expected)):
+        assert_close(a, e, what=f"step {step}")
+    # Dropout really dropped (the masks matter), and differently each step.
+    first, second = (np.asarray(outputs) for outputs, _ in expected[:2])
+    assert not np.allclose(first, second)
+
+
+def test_legacy_dropout_under_xla_matches_its_own_forward():
+    """Under XLA the gradient uses the mask the forward drew, whatever it was."""
+    K = framework("tf_keras")
+
+    class Dropped(K.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.dropout = K.layers.Dropout(0.5)
+            self.dense = K.layers.Dense(4)
+
+        def call(self, inputs, training=None):
+            dropped = self.dropout(inputs, training=training)
+            return dropped, self.dense(dropped)
+
+    layer = recomputed_class(Dropped)()
+    x = tf.random.stateless_uniform((64, 12), seed=[3, 3], minval=1.0, maxval=2.0)
+    layer(x)
+
+    @tf.function(jit_compile=True)
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            dropped, y = layer(x, training=True)
+            loss = tf.reduce_sum(tf.sin(y))
+        return dropped, tf.cos(y), tape.gradient(loss, x)
+
+    with recompute_scope(True):
+        dropped, upstream, gradient = step(x)
+    kept = tf.cast(tf.not_equal(dropped, 0.0), tf.float32)
+    expected = tf.matmul(upstream, layer.dense.kernel, transpose_b=True) * kept * 2.0
+    assert 0.2 < float(tf.reduce_mean(kept)) < 0.8
+    assert_close(gradient, expected)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_dropout_with_tf_random_generator(tf_keras_generator, mode):
+    K = framework("tf_keras")
+    x = tf.random.stateless_normal((8, 12), seed=[2, 1])
+    plain, recomputed = build_twins(K, noisy_block(K), x)
+    assert recomputed.dropout._random_generator._rng_type == "stateful"
+    actual, expected = run_twins(K, plain, recomputed, x, steps=3, mode=mode)
+    for step, (a, e) in enumerate(zip(actual, expected)):
+        assert_close(a, e, what=f"step {step}")
+    # The generator ends where the twin's does.
+    np.testing.assert_array_equal(
+        recomputed.dropout._random_generator._generator.state,
+        plain.dropout._random_generator._generator.state,
+    )
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_batch_norm_statistics_update_once(K, mode):
+    class Normed(K.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            # No bias: BatchNormalization cancels it, its gradient is rounding noise.
+            self.dense = K.layers.Dense(10, use_bias=False)
+            self.norm = K.layers.BatchNormalization(momentum=0.5)
+
+        def call(self, inputs, training=None):
+            return tf.tanh(self.norm(self.dense(inputs), training=training))
+
+    x = tf.random.stateless_normal((16, 6), seed=[3, 1]) * 3.0 + 1.0
+    plain, recomputed = build_twins(K, Normed, x)
+    actual, expected = run_twins(K, plain, recomputed, x, steps=3, mode=mode)
+    for step, (a, e) in enumerate(zip(actual, expected)):
+        assert_close(a, e, what=f"step {step}")
+    moving = [w for w in recomputed.non_trainable_weights]
+    assert len(moving) == 2
+    assert_close([tf.convert_to_tensor(w) for w in moving], [tf.convert_to_tensor(w) for w in plain.non_trainable_weights])
+    # Three updates happened, not zero: the statistics moved from their start.
+    assert not np.allclose(np.asarray(moving[0]), 0.0)
+
+
+def bert_block(K):
+    class BertBlock(K.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            seed = {"seed": 5} if K.__name__ == "keras" else {}
+            self.attention = K.layers.MultiHeadAttention(2, 8, dropout=0.1, **seed)
+            self.norm1 = K.layers.LayerNormalization()
+            self.ffn = K.layers.Dense(32, activation="gelu")
+            self.out = K.layers.Dense(16)
+            self.dropout = K.layers.Dropout(0.1, seed=6)
+            self.norm2 = K.layers.LayerNormalization()
+
+        def call(self, inputs, training=None):
+            hidden = self.norm1(inputs + self.attention(inputs, inputs, training=training))
+            return self.norm2(hidden + self.dropout(self.out(self.ffn(hidden)), training=training))
+
+    return BertBlock
+
+
+@pytest.fixture
+def reproducible_under(request):
+    """`reproducible_under(K, mode)`: under XLA, tf_keras draws from a tf.random.Generator.
+
+    Its default legacy ops draw differently on every XLA run, so there would
+    be no twin to compare with.
+    """
+    import tf_keras
+
+    switched = []
+
+    def switch(K, jit):
+        if K.__name__ == "tf_keras" and jit:
+            tf_keras.backend.experimental.enable_tf_random_generator()
+            switched.append(True)
+
+    yield switch
+    if switched:
+        tf_keras.backend.experimental.disable_tf_random_generator()
+
+
+def set_policy(K, name):
+    if K.__name__ == "keras":
+        K.config.set_dtype_policy(name)
+    else:
+        K.mixed_precision.set_global_policy(name)
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+@pytest.mark.parametrize("mode", MODES)
+def test_mixed_precision_block_matches_twin(K, policy, mode, reproducible_under):
+    reproducible_under(K, mode == "jit")
+    set_policy(K, policy)
+    try:
+        x = tf.random.stateless_normal((4, 6, 16), seed=[4, 1])
+        plain, recomputed = build_twins(K, bert_block(K), x)
+        actual, expected = run_twins(K, plain, recomputed, x, steps=2, mode=mode)
+    finally:
+        set_policy(K, "float32")
+    compute = tf.float16 if policy == "mixed_float16" else tf.bfloat16
+    assert actual[0][0].dtype == compute
+    assert recomputed.ffn.kernel.dtype == tf.float32 or "float32" in str(recomputed.ffn.kernel.dtype)
+    for step, (a, e) in enumerate(zip(actual, expected)):
+        assert_close(a, e, rtol=2e-2, what=f"step {step}")
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_mixed_float16_fit_with_loss_scaling(K, jit_compile, reproducible_under):
+    reproducible_under(K, jit_compile)
+    set_policy(K, "mixed_float16")
+    try:
+        x = np.random.RandomState(0).normal(size=(16, 6, 16)).astype("float32")
+        y = np.random.RandomState(1).normal(size=(16, 6, 16)).astype("float32")
+        Block = bert_block(K)
+
+        def fitted(recompute):
+            reset_random(K)
+            inputs = K.Input((6, 16))
+            block = recomputed_class(Block)()
+            model = K.Model(inputs, K.layers.Activation("linear", dtype="float32")(block(inputs)))
+            optimizer = K.optimizers.SGD(0.05)
+            if K.__name__ == "tf_keras":
+                optimizer = K.mixed_precision.LossScaleOptimizer(optimizer)
+            model.compile(optimizer=optimizer, loss="mse", jit_compile=jit_compile)
+            reset_random(K)
+            with recompute_scope(recompute):
+                history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+            return history.history["loss"], model.get_weights()
+
+        plain_loss, plain_weights = fitted(False)
+        loss, weights = fitted(True)
+    finally:
+        set_policy(K, "float32")
+    assert np.all(np.isfinite(loss))
+    np.testing.assert_allclose(loss, plain_loss, rtol=1e-3)
+    for a, e in zip(weights, plain_weights):
+        np.testing.assert_allclose(a, e, rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_nested_recompute_matches_twin(K, mode, reproducible_under):
+    reproducible_under(K, mode == "jit")
+    Inner = bert_block(K)
+
+    class Outer(K.layers.Layer):
+        def __init__(self, inner_class=Inner, **kwargs):
+            super().__init__(**kwargs)
+            self.first = inner_class()
+            self.second = inner_class()
+            self.dropout = K.layers.Dropout(0.3, seed=8)
+
+        def call(self, inputs, training=None):
+            return self.second(self.dropout(self.first(inputs, training=training), training=training), training=training)
+
+    RecomputedInner = recomputed_class(Inner)
+
+    class RecomputedOuter(Outer):
+        def __init__(self, **kwargs):
+            super().__init__(inner_class=RecomputedInner, **kwargs)
+
+        @recompute_grad
+        def call(self, inputs, training=None):
+            return super().call(inputs, training=training)
+
+    x = tf.random.stateless_normal((2, 5, 16), seed=[5, 1])
+    reset_random(K)
+    plain = Outer()
+    plain(x)
+    reset_random(K)
+    recomputed = RecomputedOuter()
+    with recompute_scope(False):
+        recomputed(x)
+    copy_weights(plain, recomputed)
+    actual, expected = run_twins(K, plain, recomputed, x, steps=2, mode=mode)
+    for step, (a, e) in enumerate(zip(actual, expected)):
+        assert_close(a, e, what=f"step {step}")
+
+
+def counting_layer(K, check=True):
+    class Drifting(K.layers.Layer):
+        """Branches on a counter it changes itself: not a pure function."""
+
+        def build(self, input_shape):
+            self.kernel = self.add_weight(shape=(input_shape[-1], 4), name="kernel")
+            self.calls = 0
+
+        @recompute_grad(check=check)
+        def call(self, inputs):
+            self.calls += 1
+            scale = 2.0 if self.calls % 2 else 3.0
+            return tf.matmul(inputs, self.kernel) * scale
+
+    return Drifting
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_a_recompute_that_differs_raises(K, mode):
+    layer = counting_layer(K)(name="drifting")
+    x = tf.ones((2, 3))
+    layer(x)
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            y = layer(x)
+        return tape.gradient(y, layer.trainable_weights)
+
+    step = compile_mode(step, mode)
+    with recompute_scope(True):
+        with pytest.raises((RecomputeError, tf.errors.InvalidArgumentError), match="recompute of .*drifting.*differ"):
+            step(x)
+
+
+def test_shape_change_raises_with_the_layer_name(K):
+    class Growing(K.layers.Layer):
+        def build(self, input_shape):
+            self.kernel = self.add_weight(shape=(input_shape[-1], 4), name="kernel")
+            self.calls = 0
+
+        @recompute_grad
+        def call(self, inputs):
+            self.calls += 1
+            return tf.matmul(inputs, self.kernel)[:, : self.calls]
+
+    layer = Growing(name="growing")
+    layer(tf.ones((2, 3)))
+    with recompute_scope(True), tf.GradientTape() as tape:
+        y = layer(tf.ones((2, 3)))
+    with pytest.raises(RecomputeError, match="recompute of .*'growing'.*output 0"):
+        tape.gradient(y, layer.trainable_weights)
+
+
+def test_check_false_skips_the_value_check(K):
+    layer = counting_layer(K, check=False)()
+    x = tf.ones((2, 3))
+    layer(x)
+    with recompute_scope(True), tf.GradientTape() as tape:
+        y = layer(x)
+    assert tape.gradient(y, layer.trainable_weights)[0] is not None
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gradient_penalty_through_a_recomputed_block(K, mode):
+    x = tf.random.stateless_normal((3, 5, 16), seed=[6, 1])
+    Block = bert_block(K)
+    plain, recomputed = build_twins(K, Block, x)
+
+    def penalty_gradients(layer):
+        def step(x):
+            with tf.GradientTape() as outer:
+                with tf.GradientTape() as inner:
+                    inner.watch(x)
+                    y = layer(x, training=False)
+                    score = tf.reduce_sum(tf.sin(y))
+                input_gradient = inner.gradient(score, x)
+                penalty = tf.reduce_sum(input_gradient**2)
+            return penalty, outer.gradient(penalty, layer.trainable_weights)
+
+        return compile_mode(step, mode)(x)
+
+    expected = penalty_gradients(plain)
+    with recompute_scope(True):
+        actual = penalty_gradients(recomputed)
+    # Second-order float32 noise on the attention key bias, whose gradient is zero.
+    assert_close(actual, expected, rtol=1e-3)
