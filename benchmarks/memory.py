@@ -127,13 +127,14 @@ def child(args):
         step = tf.function(step, jit_compile=(mode == "jit"))
     step(x, y).numpy()  # build, trace, compile
     tf.config.experimental.reset_memory_stats("CPU:0")
+    resident = tf.config.experimental.get_memory_info("CPU:0")["current"]
     times = []
     for _ in range(args.steps):
         start = time.perf_counter()
         step(x, y).numpy()
         times.append(time.perf_counter() - start)
     peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
-    print(json.dumps({"peak_mb": peak / 2**20, "step_s": min(times)}))
+    print(json.dumps({"peak_mb": peak / 2**20, "resident_mb": resident / 2**20, "step_s": min(times)}))
 
 
 def run_child(args, method, mode):

@@ -53,12 +53,18 @@ class CallState:
         return CallState(snapshot, self.autocast_scope)
 
 
-def capture(owner, to_tensor):
+def capture(owner, to_tensor, wait=None):
     """Records the state a recompute must replay, before the forward runs.
 
     Args:
         owner: the object whose method is decorated (a Keras layer), or None.
         to_tensor: the backend's `convert_to_tensor`, which reads a variable.
+        wait: in a graph, a function that makes a tensor depend on the call's
+            inputs. The layer's seed states are assigned through it, so the
+            forward's random draws wait for the inputs too: a compiler that
+            sees seeds available at the start of the step would otherwise
+            draw every block's dropout mask up front and keep them all alive
+            (seen under XLA: +125 MB on the benchmark's 12-block encoder).
 
     Returns:
         A `CallState`, or None when Keras 3 is not in use.
@@ -74,6 +80,10 @@ def capture(owner, to_tensor):
     if global_seeds is not None:
         variables.append(global_seeds.state)
     autocast_scope = global_state.get_global_attribute("autocast_scope")
+    if wait is not None and is_layer(owner):
+        for layer in owner._flatten_layers(include_self=True):
+            for generator in layer._seed_generators:
+                generator.state.assign(wait(to_tensor(generator.state.value)))
     seen = set()
     snapshot = []
     # Read the stored values, not the autocast ones; through any stateless

@@ -67,7 +67,11 @@ def recompute_call(fn, args, kwargs, name, check=True):
         return fn(*call_args, **call_kwargs)
 
     owner = _owner(fn, args)
-    keras_state = _keras3.capture(owner, tf.convert_to_tensor)
+    tensor_leaves = [leaf for leaf in leaves if isinstance(leaf, tf.Tensor)]
+    forward_wait = None
+    if tensor_leaves and not tf.executing_eagerly():
+        forward_wait = _waiter(tensor_leaves[:1])
+    keras_state = _keras3.capture(owner, tf.convert_to_tensor, forward_wait)
     legacy_state = None if _keras3.is_layer(owner) else _tf_keras.capture(owner, name)
     # Filled by the forward: the output structure, and its non-float leaves,
     # which leave the custom gradient by this side door.
