@@ -410,3 +410,59 @@ def test_gradient_penalty_through_a_recomputed_block(K, mode):
         actual = penalty_gradients(recomputed)
     # Second-order float32 noise on the attention key bias, whose gradient is zero.
     assert_close(actual, expected, rtol=1e-3)
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_a_raw_random_op_raises_instead_of_a_wrong_gradient(mode):
+    """A draw that bypasses Keras's random layers cannot be replayed: it must not pass silently."""
+    weight = tf.Variable(tf.ones((6, 6)))
+
+    @recompute_grad
+    def noisy(x):
+        return tf.matmul(x * tf.random.uniform(tf.shape(x)), weight)
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            y = noisy(x)
+        return tape.gradient(y, weight)
+
+    with recompute_scope(True):
+        with pytest.raises((RecomputeError, tf.errors.InvalidArgumentError), match="differ from its forward"):
+            compile_mode(step, mode)(tf.ones((4, 6)))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_add_loss_inside_a_recomputed_call(K, mode):
+    """A loss added in the call is differentiated (it is an output), and added once."""
+
+    class Regularized(K.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.inner = K.layers.Dense(3, activity_regularizer="l2")
+
+        def build(self, input_shape):
+            self.kernel = self.add_weight(shape=(input_shape[-1], 4), name="kernel")
+
+        def call(self, inputs):
+            hidden = tf.matmul(inputs, self.kernel)
+            self.add_loss(tf.reduce_sum(hidden**2))
+            return self.inner(hidden)
+
+    x = tf.random.stateless_normal((2, 4), seed=[7, 7])
+    plain, recomputed = build_twins(K, Regularized, x)
+
+    def gradients(layer):
+        def step(x):
+            with tf.GradientTape() as tape:
+                y = layer(x)
+                losses = layer.losses
+                loss = tf.reduce_sum(tf.sin(y)) + tf.add_n(losses)
+            return len(losses), tape.gradient(loss, layer.trainable_weights)
+
+        return compile_mode(step, mode)(x)
+
+    expected_count, expected = gradients(plain)
+    with recompute_scope(True):
+        count, actual = gradients(recomputed)
+    assert count == expected_count == 2
+    assert_close(actual, expected)

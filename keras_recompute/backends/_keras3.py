@@ -96,19 +96,29 @@ def capture(owner, to_tensor, wait=None):
     return CallState(snapshot, autocast_scope)
 
 
-class replay:
-    """Context manager for the recompute: the forward's state, no side effects."""
+def loss_lists(owner):
+    """The lists that `add_loss` appends to, for `owner` and its sub-layers."""
+    if not is_layer(owner):
+        return []
+    return [layer._losses for layer in owner._flatten_layers(include_self=True)]
 
-    def __init__(self, state):
+
+class replay:
+    """Context manager for the recompute: the forward's state, no side effects.
+
+    After it exits, `losses` holds what `add_loss` received during the recompute.
+    """
+
+    def __init__(self, state, owner=None):
         self._state = state
+        self._owner = owner
         self._scopes = ()
+        self.losses = []
 
     def __enter__(self):
         if self._state is not None:
-            self._scopes = (
-                _replay_scope_class()(self._state.snapshot),
-                _SetAutocast(self._state.autocast_scope),
-            )
+            stateless = _replay_scope_class()(self._state.snapshot)
+            self._scopes = (stateless, _SetAutocast(self._state.autocast_scope), _CallContext(self._owner))
             for scope in self._scopes:
                 scope.__enter__()
         return self
@@ -116,8 +126,35 @@ class replay:
     def __exit__(self, *exc_info):
         for scope in reversed(self._scopes):
             scope.__exit__(*exc_info)
+        if self._scopes:
+            self.losses = list(self._scopes[0].losses)
         self._scopes = ()
         return False
+
+
+class _CallContext:
+    """Makes the recompute run inside a call of `owner`, as the forward did.
+
+    Otherwise each sub-layer called during the recompute would open a call
+    context of its own and clear its losses, the forward's included.
+    """
+
+    def __init__(self, owner):
+        self._owner = owner
+
+    def __enter__(self):
+        from keras.src.backend.common import global_state
+
+        self._previous = global_state.get_global_attribute("current_call_ctx")
+        if self._previous is None and is_layer(self._owner):
+            from keras.src.layers.layer import CallContext
+
+            global_state.set_global_attribute("current_call_ctx", CallContext(entry_layer=self._owner))
+
+    def __exit__(self, *exc_info):
+        from keras.src.backend.common import global_state
+
+        global_state.set_global_attribute("current_call_ctx", self._previous)
 
 
 _REPLAY_SCOPE = []

@@ -237,12 +237,41 @@ class CallState:
         return _Replay(self)
 
 
+def loss_lists(owner):
+    """The lists that `add_loss` appends to, for `owner` and its sub-layers."""
+    if not loaded() or not hasattr(owner, "_flatten_layers") or not hasattr(owner, "_eager_losses"):
+        return []
+    lists = []
+    for layer in owner._flatten_layers(include_self=True, recursive=True):
+        lists.append(layer._eager_losses)
+        lists.append(layer._losses)
+    return lists
+
+
 class _Replay:
+    """The recompute of a tf_keras call: autocast, random draws, state, losses.
+
+    After it exits, `losses` holds what `add_loss` received during the
+    recompute; they are taken off the layers again.
+    """
+
     def __init__(self, state):
         self._state = state
+        self.losses = []
 
     def __enter__(self):
         state = self._state
+        self._loss_lists = loss_lists(state._owner)
+        self._loss_counts = [len(losses) for losses in self._loss_lists]
+        self._call_context = None
+        if state._owner is not None and hasattr(state._owner, "_flatten_layers"):
+            from tf_keras.src.engine import base_layer_utils
+
+            # add_loss only takes tensors inside a layer's call.
+            self._call_context = base_layer_utils.call_context().enter(
+                layer=state._owner, inputs=None, build_graph=not tf.executing_eagerly()
+            )
+            self._call_context.__enter__()
         self._saved = [(v, tf.identity(v)) for v in state.updated_variables()]
         holder = state._autocast_module._autocast_dtype
         self._previous_dtype = getattr(holder, "dtype", None)
@@ -258,6 +287,11 @@ class _Replay:
             for variable, value in self._saved:
                 variable.assign(value)
             self._state._autocast_module._autocast_dtype.dtype = self._previous_dtype
+            if self._call_context is not None:
+                self._call_context.__exit__(*exc_info)
+            for losses, count in zip(self._loss_lists, self._loss_counts):
+                self.losses.extend(losses[count:])
+                del losses[count:]
         return False
 
 

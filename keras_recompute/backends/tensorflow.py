@@ -73,52 +73,81 @@ def recompute_call(fn, args, kwargs, name, check=True):
         forward_wait = _waiter(tensor_leaves[:1])
     keras_state = _keras3.capture(owner, tf.convert_to_tensor, forward_wait)
     legacy_state = None if _keras3.is_layer(owner) else _tf_keras.capture(owner, name)
+    loss_lists = _keras3.loss_lists(owner) or _tf_keras.loss_lists(owner)
     # Filled by the forward: the output structure, and its non-float leaves,
     # which leave the custom gradient by this side door.
     forward = {}
 
     @tf.custom_gradient
     def checkpointed(*inputs):
+        loss_counts = [len(losses) for losses in loss_lists]
         with stop_recording(), _maybe(legacy_state and legacy_state.forward()):
             outputs = call_with(inputs)
         out_leaves = tf.nest.flatten(outputs)
         out_positions = [i for i, leaf in enumerate(out_leaves) if _is_differentiable(leaf)]
-        forward.update(outputs=outputs, leaves=out_leaves, positions=out_positions)
+        # NOTE [ add_loss ]: a loss added inside the call is an output of the
+        # call: computed with the tapes stopped, it would carry no gradient.
+        added = [
+            (losses, index)
+            for losses, count in zip(loss_lists, loss_counts)
+            for index in range(count, len(losses))
+            if _is_differentiable(losses[index])
+        ]
+        forward.update(outputs=outputs, leaves=out_leaves, positions=out_positions, added=added)
         expected = _Expected(out_leaves, out_positions, keep_values=check)
 
         def grad(*upstream, variables=None):
             variables = list(variables or ())
             frozen = _frozen_variable_ids(owner)
             trainable = [v for v in variables if v.trainable and id(v) not in frozen]
+            loss_upstream = upstream[len(out_positions) :]
             pairs = [(position, g) for position, g in zip(out_positions, upstream) if g is not None]
-            if not pairs:
+            if not pairs and all(g is None for g in loss_upstream):
                 return [None] * len(inputs), [None] * len(variables)
-            wait = _waiter([g for _, g in pairs])
+            wait = _waiter([g for g in upstream if g is not None])
             replay_inputs = [wait(x) for x in inputs]
             constants = [wait(leaves[i]) for i in constant_positions]
             state = keras_state and keras_state.map_values(wait)
             with tf.GradientTape(watch_accessed_variables=False) as tape:
                 tape.watch(replay_inputs)
                 tape.watch(trainable)
-                with _keras3.replay(state), _maybe(legacy_state and legacy_state.replay()):
+                keras_replay = _keras3.replay(state, owner)
+                legacy_replay = legacy_state and legacy_state.replay()
+                with keras_replay, _maybe(legacy_replay):
                     replayed = call_with(replay_inputs, constants)
             replayed_leaves = tf.nest.flatten(replayed)
             checks = expected.compare(replayed_leaves, name, check)
-            targets = [replayed_leaves[position] for position, _ in pairs]
-            with tf.control_dependencies(checks):
-                grads = tape.gradient(
-                    targets,
-                    replay_inputs + trainable,
-                    output_gradients=[g for _, g in pairs],
+            replayed_losses = [
+                loss
+                for loss in keras_replay.losses + (legacy_replay.losses if legacy_replay else [])
+                if _is_differentiable(loss)
+            ]
+            if len(replayed_losses) != len(loss_upstream):
+                raise RecomputeError(
+                    f"keras_recompute: the recompute of {name} added {len(replayed_losses)} "
+                    f"losses with add_loss, its forward {len(loss_upstream)}. A recomputed "
+                    "call must add the same losses each time."
                 )
+            targets = [replayed_leaves[position] for position, _ in pairs]
+            target_grads = [g for _, g in pairs]
+            for loss, g in zip(replayed_losses, loss_upstream):
+                if g is not None:
+                    targets.append(loss)
+                    target_grads.append(g)
+            with tf.control_dependencies(checks):
+                grads = tape.gradient(targets, replay_inputs + trainable, output_gradients=target_grads)
             input_grads = grads[: len(replay_inputs)]
             by_variable = dict(zip((id(v) for v in trainable), grads[len(replay_inputs) :]))
             variable_grads = [by_variable.get(id(v)) for v in variables]
             return input_grads, variable_grads
 
-        return [out_leaves[i] for i in out_positions], grad
+        added_losses = [losses[index] for losses, index in added]
+        return [out_leaves[i] for i in out_positions] + added_losses, grad
 
-    float_outputs = checkpointed(*[leaves[i] for i in positions])
+    results = checkpointed(*[leaves[i] for i in positions])
+    float_outputs = results[: len(forward["positions"])]
+    for (losses, index), loss in zip(forward["added"], results[len(forward["positions"]) :]):
+        losses[index] = loss
     out_leaves = list(forward["leaves"])
     for position, value in zip(forward["positions"], float_outputs):
         out_leaves[position] = value
