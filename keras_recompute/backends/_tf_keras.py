@@ -26,7 +26,10 @@ NOTE [ tf_keras state updates ]
 `call`. tf_keras has no stateless scope, so the recompute saves the current
 values of the non-trainable weights of the call's trainable layers (frozen
 layers update nothing and may hold large weights), and assigns them back after
-the recompute: the second update is undone.
+the recompute: the second update is undone. In a TF1-style graph the layers
+instead register update ops in `_updates`, which the training function runs;
+the ones the recompute registers are taken off again (the save and restore ops
+are then never run, as nothing fetches them).
 
 NOTE [ tf_keras mixed precision ]
 Under a mixed policy, `Layer.__call__` reads `AutoCastVariable`s in the compute
@@ -248,6 +251,18 @@ def loss_lists(owner):
     return lists
 
 
+def update_lists(owner):
+    """The lists that `add_update` appends to in TF1-style graphs (v1 layers)."""
+    if not loaded() or not hasattr(owner, "_flatten_layers"):
+        return []
+    lists = []
+    for layer in owner._flatten_layers(include_self=True, recursive=True):
+        updates = getattr(layer, "_updates", None)
+        if isinstance(updates, list):
+            lists.append(updates)
+    return lists
+
+
 class _Replay:
     """The recompute of a tf_keras call: autocast, random draws, state, losses.
 
@@ -263,6 +278,11 @@ class _Replay:
         state = self._state
         self._loss_lists = loss_lists(state._owner)
         self._loss_counts = [len(losses) for losses in self._loss_lists]
+        # In a TF1-style graph, layers register their state updates in
+        # `_updates`, run later by the training function: the recompute's must
+        # not be among them (see NOTE [ tf_keras state updates ]).
+        self._update_lists = update_lists(state._owner)
+        self._update_counts = [len(updates) for updates in self._update_lists]
         self._call_context = None
         if state._owner is not None and hasattr(state._owner, "_flatten_layers"):
             from tf_keras.src.engine import base_layer_utils
@@ -292,6 +312,8 @@ class _Replay:
             for losses, count in zip(self._loss_lists, self._loss_counts):
                 self.losses.extend(losses[count:])
                 del losses[count:]
+            for updates, count in zip(self._update_lists, self._update_counts):
+                del updates[count:]
         return False
 
 
