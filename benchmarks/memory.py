@@ -11,6 +11,9 @@ Usage:
     python benchmarks/memory.py --blocks 4 --seq 64  # quicker
     python benchmarks/memory.py --modes eager function jit --methods none ours
 
+Modes: eager, function (`tf.function`), jit (`jit_compile=True`), all with
+Keras 3; graph: a TF1-style graph (`tf.compat.v1`, a Session) with tf_keras.
+
 Methods:
     none        the plain encoder
     ours        keras_recompute.recompute_grad on each block's call
@@ -27,7 +30,7 @@ import sys
 import time
 
 METHODS = ("none", "ours", "tf", "rematscope")
-MODES = ("eager", "function", "jit")
+MODES = ("eager", "function", "jit", "graph")
 
 
 def parse_args(argv=None):
@@ -46,9 +49,8 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def build_encoder(args, method):
-    """Returns a functional Keras 3 encoder of `args.blocks` blocks."""
-    import keras
+def build_encoder(args, method, keras):
+    """Returns a functional encoder of `args.blocks` blocks (Keras 3 or tf_keras)."""
     import tensorflow as tf
 
     from keras_recompute import recompute_grad
@@ -105,12 +107,13 @@ def build_encoder(args, method):
 def child(args):
     """Trains one configuration and prints one JSON line."""
     method, mode = args.child
-    import numpy as np
+    if mode == "graph":
+        return graph_child(args, method)
     import tensorflow as tf
     import keras
 
     keras.utils.set_random_seed(0)
-    model = build_encoder(args, method)
+    model = build_encoder(args, method, keras)
     optimizer = keras.optimizers.Adam(1e-4)
     optimizer.build(model.trainable_variables)
     x = tf.random.normal((args.batch, args.seq, args.hidden))
@@ -127,14 +130,42 @@ def child(args):
         step = tf.function(step, jit_compile=(mode == "jit"))
     step(x, y).numpy()  # build, trace, compile
     tf.config.experimental.reset_memory_stats("CPU:0")
-    resident = tf.config.experimental.get_memory_info("CPU:0")["current"]
     times = []
     for _ in range(args.steps):
         start = time.perf_counter()
         step(x, y).numpy()
         times.append(time.perf_counter() - start)
     peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
-    print(json.dumps({"peak_mb": peak / 2**20, "resident_mb": resident / 2**20, "step_s": min(times)}))
+    print(json.dumps({"peak_mb": peak / 2**20, "step_s": min(times)}))
+
+
+def graph_child(args, method):
+    """A TF1-style graph (tf.compat.v1, a Session) with tf_keras: the graph path."""
+    import tensorflow as tf
+
+    tf.compat.v1.disable_eager_execution()
+    import tf_keras
+
+    if method == "rematscope":
+        print(json.dumps({"error": "keras.RematScope is Keras 3 only; no graph mode"}))
+        return
+    tf_keras.utils.set_random_seed(0)
+    model = build_encoder(args, method, tf_keras)
+    x = tf.random.normal((args.batch, args.seq, args.hidden))
+    y = tf.random.normal((args.batch, args.seq, 1))
+    loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
+    train = tf.compat.v1.train.AdamOptimizer(1e-4).minimize(loss, var_list=model.trainable_variables)
+    with tf.compat.v1.Session() as session:
+        session.run(tf.compat.v1.global_variables_initializer())
+        session.run(train)
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        times = []
+        for _ in range(args.steps):
+            start = time.perf_counter()
+            session.run(train)
+            times.append(time.perf_counter() - start)
+        peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+    print(json.dumps({"peak_mb": peak / 2**20, "step_s": min(times)}))
 
 
 def run_child(args, method, mode):
@@ -147,6 +178,8 @@ def run_child(args, method, mode):
     for line in reversed(done.stdout.splitlines()):
         if line.startswith("{"):
             return json.loads(line)
+    if done.returncode == 0 and not done.stdout.strip():
+        return {"error": "no output"}
     return {"error": _last_error_line(done.stderr)}
 
 
