@@ -28,6 +28,8 @@ wait for the forward's inputs (see `_keras3.capture`): under XLA, drawing all
 forward masks at the start of the step cost +125 MB on the benchmark encoder.
 """
 
+import contextlib
+
 import tensorflow as tf
 
 from keras_recompute._errors import RecomputeError
@@ -86,7 +88,7 @@ def recompute_call(fn, args, kwargs, name, check=True):
     @tf.custom_gradient
     def checkpointed(*inputs):
         loss_counts = [len(losses) for losses in loss_lists]
-        with stop_recording(), _maybe(legacy_state and legacy_state.forward()):
+        with stop_recording(), (legacy_state.forward() if legacy_state else contextlib.nullcontext()):
             outputs = call_with(inputs)
         out_leaves = tf.nest.flatten(outputs)
         out_positions = [i for i, leaf in enumerate(out_leaves) if _is_differentiable(leaf)]
@@ -118,10 +120,10 @@ def recompute_call(fn, args, kwargs, name, check=True):
                 tape.watch(trainable)
                 keras_replay = _keras3.replay(state, owner)
                 legacy_replay = legacy_state and legacy_state.replay()
-                with keras_replay, _maybe(legacy_replay):
+                with keras_replay, (legacy_replay or contextlib.nullcontext()):
                     replayed = call_with(replay_inputs, constants)
             replayed_leaves = tf.nest.flatten(replayed)
-            checks = expected.compare(replayed_leaves, name, check)
+            checks = expected.compare(replayed_leaves, name)
             replayed_losses = [
                 loss
                 for loss in keras_replay.losses + (legacy_replay.losses if legacy_replay else [])
@@ -167,22 +169,6 @@ def _owner(fn, args):
     return None
 
 
-class _maybe:
-    """`with _maybe(context):` enters `context` unless it is None (or False)."""
-
-    def __init__(self, context):
-        self._context = context or None
-
-    def __enter__(self):
-        if self._context is not None:
-            self._context.__enter__()
-
-    def __exit__(self, *exc_info):
-        if self._context is not None:
-            return self._context.__exit__(*exc_info)
-        return False
-
-
 class _Expected:
     """What the recompute must reproduce: the forward's outputs.
 
@@ -207,7 +193,7 @@ class _Expected:
         self.positions = positions
         self.values = [leaves[i] for i in positions] if keep_values else None
 
-    def compare(self, replayed_leaves, name, check_values):
+    def compare(self, replayed_leaves, name):
         """Raises `RecomputeError` on a difference; returns graph assert ops."""
         if len(replayed_leaves) != self.count:
             raise RecomputeError(
@@ -226,7 +212,7 @@ class _Expected:
                     "compute the same function of its inputs each time (no branches on "
                     "state that the call itself changes)."
                 )
-        if not check_values or self.values is None:
+        if self.values is None:  # check=False
             return []
         asserts = []
         for index, (position, before) in enumerate(zip(self.positions, self.values)):
