@@ -1,6 +1,7 @@
 """`recompute_grad`: the decorator, its options, and the dispatch to a backend."""
 
 import functools
+import importlib
 import inspect
 import sys
 
@@ -123,33 +124,63 @@ def _describe(name, args):
     return name
 
 
+# The module of each backend's path; each has the same `recompute_call`.
+_PATHS = {
+    "tensorflow": "keras_recompute.backends.tensorflow",
+    "jax": "keras_recompute.backends.jax",
+    "torch": "keras_recompute.backends.torch",
+}
+
+
 def _dispatch(args, kwargs):
     """Returns the `recompute_call` of the backend that runs this call."""
     backend = _backend_of(args, kwargs)
-    if backend == "tensorflow":
-        from keras_recompute.backends import tensorflow
-
-        return tensorflow.recompute_call
-    raise RecomputeError(
-        f"keras_recompute: recompute is on (RECOMPUTE or recompute_scope) but "
-        f"the {backend!r} backend has no recompute path in this version. Use "
-        "KERAS_BACKEND=tensorflow, or turn recompute off."
-    )
+    if backend not in _PATHS:
+        raise RecomputeError(
+            f"keras_recompute: recompute is on (RECOMPUTE or recompute_scope) but "
+            f"the {backend!r} backend has no recompute path. Paths exist for "
+            f"{', '.join(sorted(_PATHS))}: set KERAS_BACKEND to one of them, or "
+            "turn recompute off."
+        )
+    return importlib.import_module(_PATHS[backend]).recompute_call
 
 
 def _backend_of(args, kwargs):
-    """Finds which framework runs the call, importing none of them."""
+    """Finds which framework runs the call, importing none of them.
+
+    A Keras 3 layer runs on Keras's backend; otherwise the first tensor among
+    the arguments names it (a tf_keras layer's inputs are TensorFlow tensors).
+    """
     from keras_recompute.backends import _keras3
 
     if args and _keras3.is_layer(args[0]):
         return _keras3.backend_name()
-    tensorflow = sys.modules.get("tensorflow")
-    if tensorflow is not None:
-        return "tensorflow"
+    for leaf in _leaves((args, kwargs)):
+        framework = _TENSOR_MODULES.get(type(leaf).__module__.partition(".")[0])
+        if framework is not None:
+            return framework
     if _keras3.loaded():
         return _keras3.backend_name()
+    if "tensorflow" in sys.modules:
+        return "tensorflow"
     raise RecomputeError(
         "keras_recompute: recompute is on but neither TensorFlow nor Keras 3 "
         "has been imported, so there is no framework to recompute with. "
         "Import keras or tensorflow before calling the decorated function."
     )
+
+
+# The top-level module of a tensor's type (a JAX array's type lives in jaxlib).
+_TENSOR_MODULES = {"tensorflow": "tensorflow", "jax": "jax", "jaxlib": "jax", "torch": "torch"}
+
+
+def _leaves(tree):
+    """The leaves of nested lists, tuples and dicts, in order."""
+    if isinstance(tree, (list, tuple)):
+        for item in tree:
+            yield from _leaves(item)
+    elif isinstance(tree, dict):
+        for item in tree.values():
+            yield from _leaves(item)
+    else:
+        yield tree

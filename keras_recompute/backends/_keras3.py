@@ -132,6 +132,41 @@ class replay:
         return False
 
 
+def collect():
+    """A stateless scope for a traced call: reads fall through, writes and losses are kept.
+
+    Reads see the enclosing scope's values (or the variables'); `assign` and
+    `add_loss` are recorded in the scope (`updated`, `state_mapping`,
+    `losses`) instead of touching the variables, so a tracer made inside a
+    transformation (`jax.checkpoint`) does not leak into a variable.
+    """
+    return _replay_scope_class()([])
+
+
+def in_symbolic_scope():
+    """Whether Keras is computing output shapes (a functional model being built)."""
+    from keras.src.backend.common.symbolic_scope import in_symbolic_scope as symbolic
+
+    return symbolic()
+
+
+def unbuilt_layers(owner):
+    """The layers under `owner` (itself included) that are not built yet."""
+    if not is_layer(owner):
+        return []
+    return [layer for layer in owner._flatten_layers(include_self=True) if not layer.built]
+
+
+def loss_owner(owner, loss):
+    """The layer under `owner` whose `add_loss` received `loss` in a stateless scope."""
+    if not is_layer(owner):
+        return None
+    for layer in owner._flatten_layers(include_self=True):
+        if id(loss) in layer._loss_ids:
+            return layer
+    return owner
+
+
 class _CallContext:
     """Makes the recompute run inside a call of `owner`, as the forward did.
 
@@ -174,6 +209,13 @@ def _replay_scope_class():
                     initialize_variables=False,
                 )
                 self._parent = get_stateless_scope()
+
+                # The variables assigned in the scope, by id, in order.
+                self.updated = {}
+
+            def add_update(self, update):
+                super().add_update(update)
+                self.updated.setdefault(id(update[0]), update[0])
 
             def get_current_value(self, variable):
                 value = self.state_mapping.get(id(variable))

@@ -1,0 +1,75 @@
+"""Keras 3 on PyTorch: recompute with `torch.utils.checkpoint` (non-reentrant).
+
+NOTE [ recompute on PyTorch ]
+Non-reentrant `torch.utils.checkpoint` replaces every tensor that autograd
+would save inside the call by a handle, and reruns the call when the backward
+first needs one of them. Torch's own RNG state is saved and restored
+(`preserve_rng_state=True`) and torch's autocast state is re-entered. That is
+not enough for Keras: Keras draws dropout masks from its own `SeedGenerator`
+variables (which the forward advanced), keeps its mixed-precision policy in a
+Keras autocast scope, and assigns moving statistics in `call`. So before the
+forward we snapshot the layer's non-trainable variables and the global seed
+generator (cloned: torch variables are assigned in place), and the recompute
+runs inside `_keras3.replay` through `context_fn`: reads see the snapshot,
+assignments and losses are dropped, the autocast scope is the forward's. This
+is what `keras.remat` lacks: with dropout its recompute draws other masks, so
+torch's determinism check raises `CheckpointError`, or with the check off the
+gradient is silently wrong.
+
+Early stopping is turned off: it stops the recompute by raising an exception
+inside it, and the exception's traceback ties the frames of the layers'
+`call` (Keras's traceback filter keeps them) into a reference cycle that keeps
+the recomputed tensors alive until Python's garbage collector runs. Measured
+on a 12-block stack: the backward's memory grew by one block's activations per
+block (+155 MB), which is the memory recompute is meant to save. The recompute
+is the whole call in any case, since the backward needs nearly all of it.
+
+`check=True` keeps torch's determinism check (shapes, dtypes and devices of
+the recomputed tensors); `check=False` turns it off.
+"""
+
+import contextlib
+
+import torch
+from torch.utils import checkpoint as torch_checkpoint
+
+from keras_recompute.backends import _keras3
+
+
+def _snapshot(value):
+    return value.detach().clone()
+
+
+def recompute_call(fn, args, kwargs, name, check=True):
+    """Calls `fn(*args, **kwargs)` under `torch.utils.checkpoint`.
+
+    Args:
+        fn: the undecorated function (`Layer.call`, a function, a callable).
+        args: positional arguments, `self` first for a method.
+        kwargs: keyword arguments.
+        name: what to call `fn` in error messages.
+        check: keep torch's determinism check of the recompute.
+
+    Returns:
+        What `fn` returns.
+    """
+    del name
+    owner = args[0] if args and _keras3.is_layer(args[0]) else None
+    if not torch.is_grad_enabled() or _keras3.in_symbolic_scope():
+        # Nothing is saved for a backward that will not run.
+        return fn(*args, **kwargs)
+    state = _keras3.capture(owner, _snapshot)
+
+    def context_fn():
+        return contextlib.nullcontext(), _keras3.replay(state, owner)
+
+    with torch_checkpoint.set_checkpoint_early_stop(False):
+        return torch_checkpoint.checkpoint(
+            fn,
+            *args,
+            use_reentrant=False,
+            context_fn=context_fn,
+            preserve_rng_state=True,
+            determinism_check="default" if check else "none",
+            **kwargs,
+        )

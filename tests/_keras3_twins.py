@@ -1,0 +1,182 @@
+"""Twin comparisons for Keras 3 on whichever backend `KERAS_BACKEND` names.
+
+Each backend takes its gradients the way its users do: `tf.GradientTape` on
+TensorFlow, `jax.value_and_grad` over `Layer.stateless_call` on JAX (what
+Keras's JAX trainer does), `loss.backward()` on PyTorch.
+"""
+
+import keras
+import numpy as np
+from keras import ops
+
+from keras_recompute import recompute_grad, recompute_scope
+
+BACKEND = keras.config.backend()
+MODES = {"tensorflow": ("eager", "function", "jit"), "jax": ("eager", "jit"), "torch": ("eager",)}[BACKEND]
+RTOL = 1e-5
+
+
+def recomputed_class(cls, **options):
+    """A subclass of `cls` whose `call` is decorated."""
+    return type(f"Recomputed{cls.__name__}", (cls,), {"call": recompute_grad(cls.call, **options)})
+
+
+def _is_float(x):
+    return "float" in str(ops.dtype(x))
+
+
+def _projection(shape, index):
+    """A fixed random tensor, so that the loss is not symmetric."""
+    return np.random.RandomState(100 + index).standard_normal(shape).astype("float32")
+
+
+def _loss(outputs):
+    leaves = [out for out in keras.tree.flatten(outputs) if _is_float(out)]
+    terms = [
+        ops.sum(ops.sin(ops.cast(out, "float32")) * ops.convert_to_tensor(_projection(tuple(out.shape), i))) for i, out in enumerate(leaves)
+    ]
+    total = terms[0]
+    for term in terms[1:]:
+        total = total + term
+    return total
+
+
+def _numpy(x):
+    if x is None:
+        return None
+    if BACKEND == "torch":
+        return x.detach().cpu().float().numpy() if x.is_floating_point() else x.detach().cpu().numpy()
+    return np.asarray(ops.convert_to_numpy(ops.cast(x, "float32") if _is_float(x) else x))
+
+
+def loss_and_gradients(layer, inputs, mode="eager", call=None):
+    """Calls `layer` on `inputs` (a list) and differentiates a fixed loss.
+
+    Non-trainable updates (moving statistics, seed states) are applied to the
+    layer, as a training step would.
+
+    Returns:
+        `(outputs, gradients)` as NumPy: `gradients` lists the float inputs'
+        gradients, then each trainable variable's (None where it gets none).
+    """
+    call = call or (lambda layer, xs: layer(*xs, training=True))
+    floats = [i for i, x in enumerate(inputs) if np.issubdtype(np.asarray(x).dtype, np.floating)]
+    return {"tensorflow": _tensorflow, "jax": _jax, "torch": _torch}[BACKEND](layer, inputs, floats, mode, call)
+
+
+def _tensorflow(layer, inputs, floats, mode, call):
+    import tensorflow as tf
+
+    def step(xs):
+        with tf.GradientTape() as tape:
+            watched = [xs[i] for i in floats]
+            tape.watch(watched)
+            outputs = call(layer, xs)
+            loss = _loss(outputs)
+        return outputs, tape.gradient(loss, watched + list(layer.trainable_variables))
+
+    if mode != "eager":
+        step = tf.function(step, jit_compile=(mode == "jit"))
+    outputs, grads = step([tf.convert_to_tensor(x) for x in inputs])
+    return keras.tree.map_structure(_numpy, outputs), [_numpy(g) for g in grads]
+
+
+def _jax(layer, inputs, floats, mode, call):
+    import jax
+
+    trainable = [v.value for v in layer.trainable_variables]
+    non_trainable = [v.value for v in layer.non_trainable_variables]
+
+    def stateless(trainable, float_inputs, others):
+        xs = list(others)
+        for i, x in zip(floats, float_inputs):
+            xs[i] = x
+
+        mapping = list(zip(layer.trainable_variables, trainable)) + list(zip(layer.non_trainable_variables, non_trainable))
+        with keras.StatelessScope(state_mapping=mapping) as scope:
+            outputs = call(layer, xs)
+        updated = [scope.get_current_value(v) for v in layer.non_trainable_variables]
+        updated = [u if u is not None else v for u, v in zip(updated, non_trainable)]
+        return _loss(outputs), (outputs, updated)
+
+    grad_fn = jax.value_and_grad(stateless, argnums=(0, 1), has_aux=True)
+    if mode == "jit":
+        grad_fn = jax.jit(grad_fn)
+    others = [None if i in floats else jax.numpy.asarray(x) for i, x in enumerate(inputs)]
+    (_, (outputs, updated)), (weight_grads, input_grads) = grad_fn(
+        trainable, [jax.numpy.asarray(inputs[i]) for i in floats], others
+    )
+    for variable, value in zip(layer.non_trainable_variables, updated):
+        variable.assign(value)
+    return keras.tree.map_structure(_numpy, outputs), [_numpy(g) for g in list(input_grads) + list(weight_grads)]
+
+
+def _torch(layer, inputs, floats, mode, call):
+    import torch
+
+    xs = [torch.tensor(np.asarray(x)) for x in inputs]
+    for i in floats:
+        xs[i].requires_grad_(True)
+    for variable in layer.trainable_variables:
+        variable.value.grad = None
+    outputs = call(layer, xs)
+    _loss(outputs).backward()
+    grads = [xs[i].grad for i in floats] + [v.value.grad for v in layer.trainable_variables]
+    return keras.tree.map_structure(_numpy, outputs), [_numpy(g) for g in grads]
+
+
+def assert_close(actual, expected, rtol=RTOL, what="value"):
+    actual_leaves = keras.tree.flatten(actual)
+    expected_leaves = keras.tree.flatten(expected)
+    assert len(actual_leaves) == len(expected_leaves), what
+    for index, (a, e) in enumerate(zip(actual_leaves, expected_leaves)):
+        if e is None:
+            assert a is None, f"{what}[{index}]: twin has no gradient, recompute has one"
+            continue
+        assert a is not None, f"{what}[{index}]: recompute lost a gradient"
+        a, e = np.asarray(a), np.asarray(e)
+        assert a.shape == e.shape, f"{what}[{index}]: shape {a.shape} != {e.shape}"
+        if not np.issubdtype(e.dtype, np.floating):
+            np.testing.assert_array_equal(a, e, err_msg=f"{what}[{index}]")
+            continue
+        # A floor for gradients that are zero but for rounding noise.
+        scale = max(float(np.max(np.abs(e))) if e.size else 0.0, 1e-2)
+        error = float(np.max(np.abs(a.astype(np.float64) - e))) / scale if e.size else 0.0
+        assert error <= rtol, f"{what}[{index}]: relative error {error:.3g} > {rtol} (largest {scale:.3g}, shape {e.shape})"
+
+
+def build_twins(layer_class, inputs, call=None, **options):
+    """A plain layer and a recomputed copy with the same weights and seeds."""
+    call = call or (lambda layer, xs: layer(*xs, training=True))
+    keras.utils.set_random_seed(0)
+    plain = layer_class()
+    call(plain, [ops.convert_to_tensor(x) for x in inputs])
+    keras.utils.set_random_seed(0)
+    recomputed = recomputed_class(layer_class, **options)()
+    with recompute_scope(False):
+        call(recomputed, [ops.convert_to_tensor(x) for x in inputs])
+    recomputed.set_weights(plain.get_weights())
+    return plain, recomputed
+
+
+def compare_with_twin(layer_class, inputs, mode, call=None, steps=1, rtol=RTOL, **options):
+    """Asserts that outputs and every gradient match the undecorated twin's, step after step."""
+    plain, recomputed = build_twins(layer_class, inputs, call, **options)
+    results = []
+    for step in range(steps):
+        keras.utils.set_random_seed(step)
+        expected = loss_and_gradients(plain, inputs, mode, call)
+        keras.utils.set_random_seed(step)
+        with recompute_scope(True):
+            actual = loss_and_gradients(recomputed, inputs, mode, call)
+        assert_close(actual[0], expected[0], rtol, f"step {step} outputs")
+        assert_close(actual[1], expected[1], rtol, f"step {step} gradients")
+        assert len(actual[1]) > len(inputs) - 1
+        results.append((actual, expected))
+    assert_close(
+        [_numpy(v.value) for v in recomputed.non_trainable_variables],
+        [_numpy(v.value) for v in plain.non_trainable_variables],
+        rtol,
+        "non-trainable variables",
+    )
+    return plain, recomputed, results

@@ -1,0 +1,40 @@
+"""Child process of test_keras3.py's memory test on JAX and PyTorch.
+
+Usage: python _rss_child.py none|ours ROWS [BLOCKS]
+Builds a deep stack of feed-forward blocks with dropout and runs one
+`train_on_batch` on ROWS rows. The parent reads this process's peak RSS from
+`os.wait4`. With `MALLOC_MMAP_THRESHOLD_` set low, large buffers go back to
+the system when freed, so the peak RSS follows the peak of live tensors; a
+run on a few rows (same program, optimizer and compilation, next to no
+activations) is the baseline to subtract.
+"""
+
+import os
+import sys
+
+method, rows = sys.argv[1], int(sys.argv[2])
+blocks = int(sys.argv[3]) if len(sys.argv) > 3 else 12
+os.environ["RECOMPUTE"] = "1" if method == "ours" else "0"
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+from keras_recompute import recompute_grad  # noqa: E402
+
+
+class Block(keras.layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.up = keras.layers.Dense(512, activation="gelu")
+        self.dropout = keras.layers.Dropout(0.1)
+        self.down = keras.layers.Dense(64)
+
+    @recompute_grad
+    def call(self, inputs, training=None):
+        return inputs + self.down(self.dropout(self.up(inputs), training=training))
+
+
+model = keras.Sequential([keras.Input((64,))] + [Block() for _ in range(blocks)] + [keras.layers.Dense(1)])
+model.compile(optimizer="sgd", loss="mse")
+model.train_on_batch(np.ones((rows, 64), "float32"), np.ones((rows, 1), "float32"))
+print("ok")

@@ -1,0 +1,326 @@
+"""The correctness battery for Keras 3, on the backend `KERAS_BACKEND` names.
+
+CI runs this file under `KERAS_BACKEND=tensorflow`, `jax` and `torch`. Every
+test compares outputs, input gradients and every weight gradient with an
+undecorated twin holding the same weights and random state, in each of the
+backend's modes (TensorFlow: eager, `tf.function`, XLA; JAX: eager, `jax.jit`;
+PyTorch: eager).
+"""
+
+import keras
+import numpy as np
+import pytest
+from keras import layers, ops
+
+from _keras3_twins import BACKEND, MODES, assert_close, build_twins, compare_with_twin, loss_and_gradients
+from keras_recompute import recompute_grad, recompute_scope
+
+RNG = np.random.RandomState(0)
+
+
+def normal(*shape):
+    return RNG.standard_normal(shape).astype("float32")
+
+
+@pytest.fixture(autouse=True)
+def _float32_policy():
+    yield
+    keras.config.set_dtype_policy("float32")
+
+
+class Block(layers.Layer):
+    """A pre-norm feed-forward block with a residual."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.norm = layers.LayerNormalization()
+        self.inner = layers.Dense(32, activation="gelu")
+        self.outer = layers.Dense(16)
+
+    def call(self, inputs):
+        return inputs + self.outer(self.inner(self.norm(inputs)))
+
+
+class Attention(layers.Layer):
+    """Self-attention: the same tensor is query, key and value."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.attention = layers.MultiHeadAttention(num_heads=2, key_dim=8)
+
+    def call(self, inputs, mask=None):
+        return self.attention(inputs, inputs, inputs, attention_mask=mask)
+
+
+class KeywordBlock(layers.Layer):
+    """Keyword arguments: a float tensor, a boolean mask, a Python float."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = layers.Dense(16, activation="tanh")
+
+    def call(self, inputs, bias=None, mask=None, scale=1.0, training=None):
+        hidden = self.dense(inputs) * scale + bias
+        return ops.where(mask, hidden, ops.zeros_like(hidden))
+
+
+class TwoOutputs(layers.Layer):
+    """A dict in, a tuple out, one output an integer tensor."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = layers.Dense(16, activation="relu")
+
+    def call(self, inputs):
+        hidden = self.dense(inputs["a"]) * inputs["b"]
+        return hidden, ops.argmax(hidden, axis=-1)
+
+
+class Tokens(layers.Layer):
+    """Integer token ids in: the only float input is a weight."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.embedding = layers.Embedding(50, 16)
+        self.block = Block()
+
+    def call(self, ids):
+        return self.block(self.embedding(ids))
+
+
+class Noisy(layers.Layer):
+    """Dropout, Gaussian noise and BatchNorm: random draws and state updates."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = layers.Dense(32, activation="relu")
+        self.dropout = layers.Dropout(0.5, seed=3)
+        self.noise = layers.GaussianNoise(0.3, seed=4)
+        self.norm = layers.BatchNormalization()
+        self.out = layers.Dense(16)
+
+    def call(self, inputs, training=None):
+        hidden = self.dropout(self.dense(inputs), training=training)
+        hidden = self.norm(self.noise(hidden, training=training), training=training)
+        return self.out(hidden)
+
+
+class Regularized(layers.Layer):
+    """`add_loss` inside the recomputed call, from a sub-layer."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = layers.Dense(16, activity_regularizer="l2")
+
+    def call(self, inputs):
+        return self.dense(inputs)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_block_matches_twin(mode):
+    compare_with_twin(Block, [normal(4, 16)], mode, call=lambda layer, xs: layer(*xs))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_repeated_input_gradient_is_not_doubled(mode):
+    """q = k = v: bert4keras's recompute doubles this gradient; ours must not."""
+    # rtol: the key bias's gradient is zero but for rounding.
+    compare_with_twin(Attention, [normal(2, 6, 16)], mode, call=lambda layer, xs: layer(*xs), rtol=1e-4)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_keyword_arguments_and_masks(mode):
+    mask = RNG.rand(4, 16) > 0.3
+
+    def call(layer, xs):
+        return layer(xs[0], bias=xs[1], mask=xs[2], scale=0.5, training=True)
+
+    compare_with_twin(KeywordBlock, [normal(4, 8), normal(16), mask], mode, call=call)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_dict_inputs_tuple_outputs_integer_output(mode):
+    def call(layer, xs):
+        return layer({"a": xs[0], "b": xs[1]})
+
+    _, _, results = compare_with_twin(TwoOutputs, [normal(4, 8), normal(4, 16)], mode, call=call)
+    (outputs, _), _ = results[0]
+    assert np.asarray(outputs[1]).dtype.kind == "i"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_integer_inputs(mode):
+    ids = RNG.randint(0, 50, size=(4, 7)).astype("int32")
+    compare_with_twin(Tokens, [ids], mode, call=lambda layer, xs: layer(*xs))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_dropout_noise_and_batchnorm_replay_the_forward(mode):
+    """Three training steps: the masks match the twin's each step, moving stats too."""
+    _, _, results = compare_with_twin(Noisy, [normal(8, 16)], mode, steps=3)
+    first, second = (np.asarray(expected[0]) for _, expected in results[:2])
+    assert not np.allclose(first, second), "dropout did not draw new masks each step"
+
+
+class Outer(layers.Layer):
+    """A recomputed block inside a recomputed block."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.inner = type("InnerRecomputed", (Noisy,), {"call": recompute_grad(Noisy.call)})()
+        self.dense = layers.Dense(16, activation="tanh")
+
+    def call(self, inputs, training=None):
+        return self.dense(self.inner(inputs, training=training)) + inputs
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_nested_recompute(mode):
+    compare_with_twin(Outer, [normal(8, 16)], mode, steps=2)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_mixed_precision(mode, policy):
+    if BACKEND == "torch" and policy == "mixed_float16":
+        pytest.skip("float16 matmul is slow and inexact on PyTorch's CPU; bfloat16 covers the path")
+    keras.config.set_dtype_policy(policy)
+    _, recomputed, results = compare_with_twin(Noisy, [normal(8, 16)], mode, steps=2, rtol=1e-2)
+    assert recomputed.dense.compute_dtype == policy.split("_")[1]
+    (outputs, _), _ = results[0]
+
+
+def test_add_loss_inside_is_kept():
+    x = normal(4, 16)
+    plain, recomputed = build_twins(Regularized, [x])
+    for layer, on in ((plain, False), (recomputed, True)):
+        with recompute_scope(on):
+            layer(ops.convert_to_tensor(x))
+        assert len(layer.losses) == 1
+    assert_close(_to_numpy(recomputed.losses[0]), _to_numpy(plain.losses[0]), what="activity loss")
+
+
+def _to_numpy(x):
+    return np.asarray(ops.convert_to_numpy(x))
+
+
+def test_recompute_off_is_the_plain_call():
+    plain, recomputed = build_twins(Block, [normal(4, 16)])
+    assert type(recomputed).call.__wrapped__ is Block.call
+    x = normal(4, 16)
+    expected = loss_and_gradients(plain, [x], call=lambda layer, xs: layer(*xs))
+    actual = loss_and_gradients(recomputed, [x], call=lambda layer, xs: layer(*xs))
+    assert_close(actual, expected, rtol=0)
+
+
+class TransformerBlock(layers.Layer):
+    """Post-norm BERT block: attention and feed-forward, each with dropout."""
+
+    def __init__(self, hidden=32, heads=4, intermediate=64, rate=0.1, **kwargs):
+        super().__init__(**kwargs)
+        self.attention = layers.MultiHeadAttention(heads, hidden // heads, dropout=rate, seed=11)
+        self.attention_dropout = layers.Dropout(rate, seed=12)
+        self.attention_norm = layers.LayerNormalization(epsilon=1e-12)
+        self.up = layers.Dense(intermediate, activation="gelu")
+        self.down = layers.Dense(hidden)
+        self.ffn_dropout = layers.Dropout(rate, seed=13)
+        self.ffn_norm = layers.LayerNormalization(epsilon=1e-12)
+
+    def call(self, inputs, training=None):
+        attended = self.attention(inputs, inputs, inputs, training=training)
+        hidden = self.attention_norm(inputs + self.attention_dropout(attended, training=training))
+        ffn = self.ffn_dropout(self.down(self.up(hidden)), training=training)
+        return self.ffn_norm(hidden + ffn)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_transformer_block_with_dropout(mode):
+    """`keras.remat` raises CheckpointError on this block on PyTorch; ours matches the twin."""
+    compare_with_twin(TransformerBlock, [normal(2, 8, 32)], mode, steps=2, rtol=1e-4)
+
+
+def functional_bert(recompute, layers_count=2, vocab=100, length=16, hidden=32):
+    """A functional BERT-like model: `keras.RematScope("full")` crashes building this on JAX."""
+    keras.utils.set_random_seed(1)
+    block_class = type("RecomputedTransformerBlock", (TransformerBlock,), {"call": recompute_grad(TransformerBlock.call)})
+    ids = keras.Input((length,), dtype="int32")
+    hidden_states = layers.Embedding(vocab, hidden)(ids)
+    hidden_states = layers.LayerNormalization()(hidden_states)
+    for _ in range(layers_count):
+        hidden_states = (block_class if recompute else TransformerBlock)(hidden)(hidden_states)
+    logits = layers.Dense(vocab)(hidden_states)
+    model = keras.Model(ids, logits)
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def test_functional_bert_fit_matches_plain():
+    """Built and trained with `model.fit` (compiled by default): the same losses and weights."""
+    data = np.random.RandomState(3).randint(0, 100, size=(16, 16)).astype("int32")
+    results = []
+    for recompute in (False, True):
+        model = functional_bert(recompute)
+        keras.utils.set_random_seed(2)
+        with recompute_scope(recompute):
+            history = model.fit(data, data, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        results.append((history.history["loss"], [np.asarray(ops.convert_to_numpy(w)) for w in model.weights]))
+    (plain_losses, plain_weights), (losses, weights) = results
+    np.testing.assert_allclose(losses, plain_losses, rtol=1e-5)
+    assert_close(weights, plain_weights, rtol=1e-4, what="weights after fit")
+
+
+def test_forward_runs_again_in_the_backward():
+    """The recompute really happens (TensorFlow and PyTorch call Python again)."""
+    if BACKEND == "jax":
+        pytest.skip("JAX traces once and replays the traced program; test_memory_falls proves the recompute")
+    counts = []
+
+    class Counted(Block):
+        def call(self, inputs):
+            counts.append(1)
+            return super().call(inputs)
+
+    plain, recomputed = build_twins(Counted, [normal(4, 16)], call=lambda layer, xs: layer(*xs))
+    for layer, on, expected in ((plain, False, 1), (recomputed, True, 2)):
+        counts.clear()
+        with recompute_scope(on):
+            loss_and_gradients(layer, [normal(4, 16)], call=lambda layer, xs: layer(*xs))
+        assert len(counts) == expected, f"recompute {on}: the call ran {len(counts)} times"
+
+
+def _child_peak_rss(method, rows):
+    """Peak RSS in MB of one `_rss_child.py` run (see its docstring)."""
+    import os
+    import subprocess
+    import sys
+
+    child = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_rss_child.py")
+    root = os.path.dirname(os.path.dirname(child))
+    env = dict(
+        os.environ,
+        MALLOC_MMAP_THRESHOLD_="131072",
+        PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
+    )
+    process = subprocess.Popen(
+        [sys.executable, child, method, str(rows)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    _, status, usage = os.wait4(process.pid, 0)
+    assert status == 0, process.stderr.read().decode()[-3000:]
+    return usage.ru_maxrss / 1024
+
+
+def test_memory_falls():
+    """A 12-block stack, one `train_on_batch` each: activation memory falls at least 3x.
+
+    JAX and PyTorch on the CPU have no allocator statistics, so each run is a
+    child process whose peak RSS is read, minus a run of the same program on 8
+    rows. (TensorFlow's figure, from its allocator, is test_memory.py's.)
+    """
+    if BACKEND == "tensorflow":
+        pytest.skip("test_memory.py measures the TensorFlow paths with the BFC allocator")
+    activations = {}
+    for method in ("none", "ours"):
+        activations[method] = _child_peak_rss(method, 4096) - _child_peak_rss(method, 8)
+    ratio = activations["none"] / max(activations["ours"], 1.0)
+    print(f"{BACKEND}: activations {activations['none']:.0f} MB -> {activations['ours']:.0f} MB, {ratio:.1f}x")
+    assert ratio >= 3.0, f"activation memory fell only {ratio:.2f}x: {activations}"
