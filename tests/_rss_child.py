@@ -2,8 +2,9 @@
 
 Usage: python _rss_child.py none|ours ROWS [BLOCKS]
 Builds a deep stack of feed-forward blocks with dropout and runs one
-`train_on_batch` on ROWS rows. The parent reads this process's peak RSS from
-`os.wait4`. With `MALLOC_MMAP_THRESHOLD_` set low, large buffers go back to
+`train_on_batch` on ROWS rows, then prints its peak RSS in MB (`VmHWM`: the
+high-water mark of this process's own memory since `exec`; `os.wait4`'s
+`ru_maxrss` would report the parent's if the parent is larger). With `MALLOC_MMAP_THRESHOLD_` set low, large buffers go back to
 the system when freed, so the peak RSS follows the peak of live tensors; a
 run on a few rows (same program, optimizer and compilation, next to no
 activations) is the baseline to subtract.
@@ -37,4 +38,6 @@ class Block(keras.layers.Layer):
 model = keras.Sequential([keras.Input((64,))] + [Block() for _ in range(blocks)] + [keras.layers.Dense(1)])
 model.compile(optimizer="sgd", loss="mse")
 model.train_on_batch(np.ones((rows, 64), "float32"), np.ones((rows, 1), "float32"))
-print("ok")
+with open("/proc/self/status") as status:
+    peak_kb = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
+print(peak_kb / 1024)

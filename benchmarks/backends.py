@@ -1,0 +1,283 @@
+"""Peak memory and step time of a BERT encoder on Keras 3's JAX and PyTorch backends.
+
+Compares, in one run, each configuration in a fresh subprocess:
+    none        the plain encoder
+    ours        keras_recompute.recompute_grad on each block's call
+    remat       keras.remat around each block's call (the closure keeps
+                `training` a Python bool)
+    rematscope  the encoder built inside keras.RematScope(mode="full")
+
+Memory: on a GPU, the allocator's peak (`memory_stats()["peak_bytes_in_use"]`
+on JAX, `torch.cuda.max_memory_allocated()` on PyTorch). On the CPU, which has
+no allocator statistics, the child's peak RSS (`VmHWM`, with
+`MALLOC_MMAP_THRESHOLD_=131072` so freed buffers leave the RSS) minus that of
+the same configuration trained on one row: the activations' memory.
+
+Step time: the fastest of `--steps` `train_on_batch` calls after two warm-up
+steps (the first compiles).
+
+Usage:
+    python benchmarks/backends.py --backend jax            # CPU-sized defaults
+    python benchmarks/backends.py --backend torch --bert-base --batch 32 --seq 512
+    python benchmarks/backends.py --backend jax --bert-base --seq 512 --budget-gib 16
+
+`--bert-base` sets 12 blocks of hidden 768, 12 heads, FFN 3072. `--budget-gib`
+also finds, for none and ours, the largest batch whose peak fits the budget
+(doubling, then bisecting).
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+METHODS = ("none", "ours", "remat", "rematscope")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--backend", choices=("jax", "torch"), default=os.environ.get("KERAS_BACKEND", "jax"))
+    parser.add_argument("--bert-base", action="store_true", help="12 x 768, 12 heads, FFN 3072")
+    parser.add_argument("--blocks", type=int, default=6)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--ffn", type=int, default=512)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--vocab", type=int, default=30522)
+    parser.add_argument("--dropout", type=float, default=0.1)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps")
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--budget-gib", type=float, help="also find the largest batch that fits")
+    parser.add_argument("--child", metavar="METHOD", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.bert_base:
+        args.blocks, args.hidden, args.heads, args.ffn = 12, 768, 12, 3072
+    return args
+
+
+def build_model(args, method):
+    import keras
+
+    from keras_recompute import recompute_grad
+
+    layers = keras.layers
+
+    class EncoderBlock(layers.Layer):
+        """Post-norm BERT block: attention, add & norm, FFN, add & norm."""
+
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.attention = layers.MultiHeadAttention(args.heads, args.hidden // args.heads, dropout=args.dropout)
+            self.attention_dropout = layers.Dropout(args.dropout)
+            self.attention_norm = layers.LayerNormalization(epsilon=1e-12)
+            self.intermediate = layers.Dense(args.ffn, activation="gelu")
+            self.output_dense = layers.Dense(args.hidden)
+            self.output_dropout = layers.Dropout(args.dropout)
+            self.output_norm = layers.LayerNormalization(epsilon=1e-12)
+
+        def call(self, inputs, training=None):
+            attended = self.attention(inputs, inputs, training=training)
+            hidden = self.attention_norm(inputs + self.attention_dropout(attended, training=training))
+            output = self.output_dropout(self.output_dense(self.intermediate(hidden)), training=training)
+            return self.output_norm(hidden + output)
+
+    class PositionEmbedding(layers.Layer):
+        def build(self, input_shape):
+            self.positions = self.add_weight(shape=tuple(input_shape[1:]), initializer="random_normal", name="positions")
+
+        def call(self, inputs):
+            return inputs + self.positions
+
+    class OursBlock(EncoderBlock):
+        call = recompute_grad(EncoderBlock.call)
+
+    class RematBlock(EncoderBlock):
+        def call(self, inputs, training=None):
+            return keras.remat(lambda x: EncoderBlock.call(self, x, training=training))(inputs)
+
+    block = {"ours": OursBlock, "remat": RematBlock}.get(method, EncoderBlock)
+
+    def build():
+        ids = keras.Input((args.seq,), dtype="int32")
+        hidden = layers.Embedding(args.vocab, args.hidden)(ids)
+        hidden = PositionEmbedding()(hidden)
+        hidden = layers.Dropout(args.dropout)(layers.LayerNormalization(epsilon=1e-12)(hidden))
+        for _ in range(args.blocks):
+            hidden = block()(hidden)
+        logits = layers.Dense(2)(layers.Dense(args.hidden, activation="tanh")(hidden[:, 0]))
+        return keras.Model(ids, logits)
+
+    if method == "rematscope":
+        with keras.RematScope(mode="full"):
+            model = build()
+    else:
+        model = build()
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-4),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    return model
+
+
+def _device_peak_reset(backend):
+    if backend == "torch":
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+
+
+def _device_peak(backend):
+    """Allocator peak in bytes on a GPU, or None on the CPU."""
+    if backend == "torch":
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated()
+        return None
+    import jax
+
+    device = jax.devices()[0]
+    if device.platform == "cpu":
+        return None
+    return device.memory_stats()["peak_bytes_in_use"]
+
+
+def _rss_peak():
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) * 1024
+
+
+def child(args):
+    """Trains one configuration; prints a JSON line with its peak and step time."""
+    import numpy as np
+
+    os.environ["RECOMPUTE"] = "1" if args.child == "ours" else "0"
+    import keras
+
+    keras.utils.set_random_seed(0)
+    model = build_model(args, args.child)
+    rng = np.random.RandomState(0)
+    ids = rng.randint(0, args.vocab, size=(args.batch, args.seq)).astype("int32")
+    labels = rng.randint(0, 2, size=(args.batch,)).astype("int32")
+    _device_peak_reset(args.backend)
+    times = []
+    for step in range(args.steps + 2):
+        start = time.perf_counter()
+        loss = float(np.asarray(model.train_on_batch(ids, labels)))
+        if step >= 2:
+            times.append(time.perf_counter() - start)
+    device_peak = _device_peak(args.backend)
+    print(
+        json.dumps(
+            {"device_peak": device_peak, "rss_peak": _rss_peak(), "step": min(times) if times else None, "loss": loss}
+        )
+    )
+
+
+def run_child(args, method, batch, steps=None):
+    """Runs a child; returns its JSON record, or {"error": ...}."""
+    argv = [sys.executable, os.path.abspath(__file__), "--child", method, "--backend", args.backend]
+    for name in ("blocks", "hidden", "heads", "ffn", "seq", "vocab", "dropout"):
+        argv += [f"--{name}", str(getattr(args, name))]
+    argv += ["--batch", str(batch), "--steps", str(args.steps if steps is None else steps)]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(
+        os.environ,
+        KERAS_BACKEND=args.backend,
+        MALLOC_MMAP_THRESHOLD_="131072",
+        PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
+        TF_CPP_MIN_LOG_LEVEL="3",
+    )
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
+        message = next((line for line in reversed(lines) if "Error" in line or "error" in line), lines[-1] if lines else "")
+        return {"error": message.strip()[:160]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def measure(args, method, batch, steps=None):
+    """Peak bytes (allocator peak, or activations' RSS on the CPU) and step time."""
+    record = run_child(args, method, batch, steps)
+    if "error" in record:
+        return record
+    if record["device_peak"] is not None:
+        record["peak"] = record["device_peak"]
+    else:
+        baseline = run_child(args, method, 1, steps=0)
+        if "error" in baseline:
+            return baseline
+        record["peak"] = record["rss_peak"] - baseline["rss_peak"]
+    return record
+
+
+def largest_batch(args, method, budget):
+    """The largest batch whose peak fits `budget` bytes (out of memory counts as not fitting)."""
+
+    def fits(batch):
+        record = measure(args, method, batch, steps=1)
+        return "error" not in record and record["peak"] <= budget
+
+    low, high = 0, 1
+    while fits(high):
+        low, high = high, high * 2
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.child:
+        return child(args)
+    platform = _platform(args.backend)
+    print(
+        f"keras_recompute benchmark: Keras 3 on {args.backend} ({platform}), {args.blocks} blocks x hidden "
+        f"{args.hidden}, {args.heads} heads, FFN {args.ffn}, seq {args.seq}, batch {args.batch}, "
+        f"dropout {args.dropout}, Adam, fp32"
+    )
+    memory_name = "peak MB" if platform != "cpu" else "activations MB"
+    print(f"{'method':<11} {memory_name:>15} {'vs none':>8} {'step s':>8} {'vs none':>8}  loss")
+    results = {}
+    for method in args.methods:
+        record = measure(args, method, args.batch)
+        results[method] = record
+        if "error" in record:
+            print(f"{method:<11} failed: {record['error']}")
+            continue
+        base = results.get("none")
+        memory_ratio = step_ratio = ""
+        if base and "error" not in base:
+            memory_ratio = f"{base['peak'] / max(record['peak'], 1):.2f}x"
+            step_ratio = f"{record['step'] / base['step']:.2f}x"
+        print(
+            f"{method:<11} {record['peak'] / 2**20:>15.0f} {memory_ratio:>8} {record['step']:>8.3f} "
+            f"{step_ratio:>8}  {record['loss']:.4f}"
+        )
+    if args.budget_gib:
+        budget = int(args.budget_gib * 2**30)
+        batches = {method: largest_batch(args, method, budget) for method in ("none", "ours")}
+        ratio = batches["ours"] / max(batches["none"], 1)
+        print(f"largest batch within {args.budget_gib} GiB: none {batches['none']}, ours {batches['ours']} ({ratio:.1f}x)")
+
+
+def _platform(backend):
+    env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
+    code = (
+        "import torch; print('gpu' if torch.cuda.is_available() else 'cpu')"
+        if backend == "torch"
+        else "import jax; print(jax.devices()[0].platform)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
+    return done.stdout.strip() or "unknown"
+
+
+if __name__ == "__main__":
+    main()
