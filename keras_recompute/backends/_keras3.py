@@ -43,14 +43,17 @@ def backend_name():
 class CallState:
     """What the recompute of one call needs to see the forward's state."""
 
-    def __init__(self, snapshot, autocast_scope):
+    def __init__(self, snapshot, autocast_scope, call_context=None):
         self.snapshot = snapshot
         self.autocast_scope = autocast_scope
+        # The forward's call context: sub-layers called without `training`
+        # read it from there, so the recompute must see the same one.
+        self.call_context = call_context
 
     def map_values(self, fn):
         """The same state with `fn` applied to each snapshot value."""
         snapshot = [(variable, fn(value)) for variable, value in self.snapshot]
-        return CallState(snapshot, self.autocast_scope)
+        return CallState(snapshot, self.autocast_scope, self.call_context)
 
 
 def capture(owner, to_tensor, wait=None):
@@ -93,7 +96,7 @@ def capture(owner, to_tensor, wait=None):
             if id(variable) not in seen:
                 seen.add(id(variable))
                 snapshot.append((variable, to_tensor(variable.value)))
-    return CallState(snapshot, autocast_scope)
+    return CallState(snapshot, autocast_scope, global_state.get_global_attribute("current_call_ctx"))
 
 
 def loss_lists(owner):
@@ -118,7 +121,11 @@ class replay:
     def __enter__(self):
         if self._state is not None:
             stateless = _replay_scope_class()(self._state.snapshot)
-            self._scopes = (stateless, _SetAutocast(self._state.autocast_scope), _CallContext(self._owner))
+            self._scopes = (
+                stateless,
+                _SetAutocast(self._state.autocast_scope),
+                _CallContext(self._owner, self._state.call_context),
+            )
             for scope in self._scopes:
                 scope.__enter__()
         return self
@@ -168,20 +175,24 @@ def loss_owner(owner, loss):
 
 
 class _CallContext:
-    """Makes the recompute run inside a call of `owner`, as the forward did.
+    """Makes the recompute run inside the forward's call context.
 
     Otherwise each sub-layer called during the recompute would open a call
-    context of its own and clear its losses, the forward's included.
+    context of its own and clear its losses, the forward's included, and a
+    sub-layer called without `training` would not see the forward's.
     """
 
-    def __init__(self, owner):
+    def __init__(self, owner, context=None):
         self._owner = owner
+        self._context = context
 
     def __enter__(self):
         from keras.src.backend.common import global_state
 
         self._previous = global_state.get_global_attribute("current_call_ctx")
-        if self._previous is None and is_layer(self._owner):
+        if self._previous is None and self._context is not None:
+            global_state.set_global_attribute("current_call_ctx", self._context)
+        elif self._previous is None and is_layer(self._owner):
             from keras.src.layers.layer import CallContext
 
             global_state.set_global_attribute("current_call_ctx", CallContext(entry_layer=self._owner))

@@ -217,6 +217,12 @@ class CallState:
         self.autocast_dtype = getattr(autocast_variable._autocast_dtype, "dtype", None)
         self.random = RandomTape(name)
         self._owner = owner
+        from tf_keras.src.engine import base_layer_utils
+
+        # The forward's call-context arguments (`training` above all): a
+        # sub-layer called without `training` reads it from there, so the
+        # recompute must see the forward's, or its dropout would be off.
+        self.call_context_args = dict(base_layer_utils.call_context().call_context_args)
 
     def updated_variables(self):
         """Non-trainable weights of the trainable layers under the owner."""
@@ -289,7 +295,10 @@ class _Replay:
 
             # add_loss only takes tensors inside a layer's call.
             self._call_context = base_layer_utils.call_context().enter(
-                layer=state._owner, inputs=None, build_graph=not tf.executing_eagerly()
+                layer=state._owner,
+                inputs=None,
+                build_graph=not tf.executing_eagerly(),
+                call_context_args=state.call_context_args,
             )
             self._call_context.__enter__()
         self._saved = [(v, tf.identity(v)) for v in state.updated_variables()]

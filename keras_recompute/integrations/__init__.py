@@ -1,0 +1,1 @@
+"""Integrations with model libraries: `keras_recompute.integrations.bert4keras`."""

@@ -1,0 +1,109 @@
+"""Child process of test_bert4keras.py: a small bert4keras BERT trained with and without recompute.
+
+Usage: python _bert4keras_child.py ours|theirs [eager|function]
+  ours    keras_recompute.integrations.bert4keras.enable(), RECOMPUTE toggled by a scope
+  theirs  bert4keras's own recompute (RECOMPUTE=1 when bert4keras is imported)
+Trains three SGD steps with dropout, first with every patched `call` plain, then
+recomputed, from the same weights and random state. Prints a JSON line: the
+losses of both runs and, per step, how many of the gradients differ by more
+than 1e-4 (relative to the largest value) and the largest such difference.
+"""
+
+import json
+import os
+import sys
+
+method = sys.argv[1]
+mode = sys.argv[2] if len(sys.argv) > 2 else "function"
+os.environ["TF_KERAS"] = "1"
+os.environ["TF_USE_LEGACY_KERAS"] = "1"
+os.environ["RECOMPUTE"] = "1" if method == "theirs" else "0"
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+import tf_keras  # noqa: E402
+from bert4keras import layers as bert_layers  # noqa: E402
+from bert4keras.models import build_transformer_model  # noqa: E402
+
+from keras_recompute import recompute_scope  # noqa: E402
+from keras_recompute.integrations import bert4keras as recompute_bert4keras  # noqa: E402
+
+if method == "theirs":
+    # bert4keras 0.11.5's recompute calls functions that TF 2.21 moved from
+    # `tape` to `record` (private TF API; tested on TF 2.21 only).
+    from tensorflow.python.eager import record, tape
+
+    for name in ("stop_recording", "record_operation"):
+        if not hasattr(tape, name):
+            setattr(tape, name, getattr(record, name))
+
+CONFIG = dict(
+    vocab_size=100,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=64,
+    hidden_act="gelu",
+    hidden_dropout_prob=0.1,
+    attention_probs_dropout_prob=0.1,
+    max_position_embeddings=32,
+    type_vocab_size=2,
+)
+
+# Their recompute wrappers, as bert4keras's import left them, and the plain calls inside.
+theirs = {name: vars(getattr(bert_layers, name))["call"] for name in recompute_bert4keras.LAYERS}
+plain = {name: recompute_bert4keras._undecorated(call) for name, call in theirs.items()}
+if method == "ours":
+    recompute_bert4keras.enable()
+    ours = {name: vars(getattr(bert_layers, name))["call"] for name in recompute_bert4keras.LAYERS}
+
+
+def set_calls(calls):
+    for name, call in calls.items():
+        setattr(getattr(bert_layers, name), "call", call)
+
+
+# Built with the plain calls (tf_keras reads `call`'s signature once, when the layer is made).
+set_calls(plain)
+tf_keras.utils.set_random_seed(0)
+model = build_transformer_model(with_mlm=True, **CONFIG)
+initial = model.get_weights()
+rng = np.random.RandomState(0)
+token_ids = tf.constant(rng.randint(1, 100, size=(4, 16)), tf.int32)
+segment_ids = tf.constant(rng.randint(0, 2, size=(4, 16)), tf.int32)
+labels = tf.constant(rng.randint(0, 100, size=(4, 16)), tf.int32)
+
+
+def train(recompute):
+    model.set_weights(initial)
+    tf_keras.utils.set_random_seed(1)
+
+    def step():
+        with tf.GradientTape() as tape:
+            probabilities = model([token_ids, segment_ids], training=True)
+            loss = tf.reduce_mean(tf_keras.losses.sparse_categorical_crossentropy(labels, probabilities))
+        grads = tape.gradient(loss, model.trainable_weights)
+        for weight, grad in zip(model.trainable_weights, grads):
+            weight.assign_sub(0.5 * tf.convert_to_tensor(grad))
+        return loss, grads
+
+    if mode == "function":
+        step = tf.function(step)
+    results = []
+    with recompute_scope(recompute):
+        for _ in range(3):
+            loss, grads = step()
+            results.append((float(loss), [np.asarray(tf.convert_to_tensor(g)) for g in grads]))
+    return results
+
+
+expected = train(False)
+set_calls(ours if method == "ours" else theirs)
+actual = train(True)
+
+report = {"losses": [loss for loss, _ in actual], "plain_losses": [loss for loss, _ in expected], "steps": []}
+for (_, grads), (_, plain_grads) in zip(actual, expected):
+    errors = [float(np.max(np.abs(a - e))) / max(float(np.max(np.abs(e))), 1e-2) for a, e in zip(grads, plain_grads)]
+    report["steps"].append({"differ": sum(error > 1e-4 for error in errors), "count": len(errors), "max": max(errors)})
+print(json.dumps(report))
