@@ -26,6 +26,8 @@ setup(
     install_requires=[],
     extras_require={
         "tensorflow": ["tensorflow-cpu>=2.16", "keras>=3.0"],
+        "jax": ["jax", "keras>=3.0"],
+        "torch": ["torch", "keras>=3.0"],
         "test": ["pytest>=7"],
     },
     classifiers=[

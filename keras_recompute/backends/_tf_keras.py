@@ -70,6 +70,13 @@ class RandomTape:
         self.replaying = False
         self._position = 0
         self._restore = {}  # id(generator) -> (generator, state before the recompute)
+        # In a graph: the graph of the call, and a seed drawn there for masks
+        # drawn inside control flow (see NOTE [ dropout inside a graph branch ]).
+        self.graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+        self.base_seed = None
+        if self.graph is not None and not isinstance(self.graph, tf.__internal__.FuncGraph):
+            self.base_seed = tf.random.uniform([2], maxval=2**31 - 1, dtype=tf.int32)
+        self.seeded = 0
 
     def replay(self):
         """Context manager: draws inside it come from this tape."""
@@ -188,17 +195,44 @@ def _draw(method, original, generator_owner, args, kwargs, stack):
     return value
 
 
+class _Seeded:
+    """A dropout mask drawn from a tape's seed (see NOTE [ dropout inside a graph branch ])."""
+
+    def __init__(self, tape, index):
+        self.tape = tape
+        self.index = index
+
+    def keep_mask(self, inputs, rate, noise_shape):
+        shape = tf.shape(inputs) if noise_shape is None else noise_shape
+        seed = self.tape.base_seed + tf.constant([0, self.index], tf.int32)
+        return tf.random.stateless_uniform(shape, seed=seed) >= rate
+
+
 def _legacy_dropout(original, generator_owner, args, kwargs, stack, replay_index, recorders):
     inputs, rate, noise_shape = _dropout_arguments(*args, **kwargs)
     if replay_index >= 0:
         keep = stack[replay_index]._next("dropout")
+        if isinstance(keep, _Seeded):
+            keep = keep.keep_mask(inputs, rate, noise_shape)
+        record = keep
+    elif recorders and recorders[0].base_seed is not None and tf.compat.v1.get_default_graph() is not recorders[0].graph:
+        # NOTE [ dropout inside a graph branch ]
+        # In a TF1-style graph a Dropout driven by the learning-phase
+        # placeholder draws inside a `tf.cond` branch; a mask drawn there
+        # cannot be used outside it (nor in the recompute's own branch). The
+        # mask is then drawn from a seed made before the call, in the call's
+        # graph, and the draw's index, which both branches can read.
+        record = _Seeded(recorders[0], recorders[0].seeded)
+        recorders[0].seeded += 1
+        keep = record.keep_mask(inputs, rate, noise_shape)
     else:
         # The same random op with the same seed as tf.nn.dropout(inputs, ...):
         # the same mask the plain layer would draw. Its values are 0 or scale.
         scaled = original(generator_owner, tf.ones_like(inputs), rate, noise_shape)
         keep = tf.not_equal(scaled, 0)
+        record = keep
     for tape in recorders:
-        tape.records.append(("dropout", keep))
+        tape.records.append(("dropout", record))
     scale = tf.convert_to_tensor(1 / (1 - rate), dtype=inputs.dtype)
     return tf.where(keep, inputs * scale, tf.zeros_like(inputs))
 

@@ -31,6 +31,7 @@ from keras_recompute._decorator import recompute_grad
 # The classes whose `call` bert4keras 0.11.5 decorates with its recompute.
 LAYERS = (
     "ScaleOffset",
+    "LayerNormalization",
     "MultiHeadAttention",
     "GatedAttentionUnit",
     "FeedForward",
@@ -60,6 +61,12 @@ def enable(layers=LAYERS):
     if module is None:
         import bert4keras.layers as module
     patched = []
+    # Any other class bert4keras's recompute decorated (RECOMPUTE=1 at its import).
+    layers = tuple(layers) + tuple(
+        name
+        for name, cls in vars(module).items()
+        if isinstance(cls, type) and name not in layers and _is_theirs(vars(cls).get("call"))
+    )
     for name in layers:
         cls = getattr(module, name, None)
         if not isinstance(cls, type) or "call" not in vars(cls):
@@ -79,9 +86,13 @@ def enable(layers=LAYERS):
     return patched
 
 
+def _is_theirs(call):
+    return getattr(call, "__qualname__", "") == "recompute_grad.<locals>.inner" and bool(call.__closure__)
+
+
 def _undecorated(call):
     """The `call` inside bert4keras's recompute wrapper, or `call` itself."""
-    if getattr(call, "__name__", "") == "inner" and call.__closure__:
+    if _is_theirs(call):
         for cell in call.__closure__:
             inner = cell.cell_contents
             if callable(inner) and getattr(inner, "__name__", "") == "call":

@@ -1,0 +1,151 @@
+"""Peak memory and step time of a bert4keras BERT: no recompute, bert4keras's own, ours.
+
+bert4keras 0.11.5 on TensorFlow 2.21 with tf_keras (`TF_KERAS=1`,
+`TF_USE_LEGACY_KERAS=1`), a BERT-base shape by default (12 x 768, 12 heads,
+FFN 3072, vocabulary 30522) with a classification head on `[CLS]`, dropout
+0.1, Adam, trained with `train_on_batch`. Each configuration runs in a fresh
+process with TensorFlow's BFC allocator (`TF_CPU_ALLOCATOR_USE_BFC=1`); the
+peak is `tf.config.experimental.get_memory_info("CPU:0")["peak"]` over the
+timed steps (in a TF1 graph, the Session's allocator, the same one).
+
+Methods:
+    none     bert4keras as is, RECOMPUTE unset
+    theirs   bert4keras's own recompute (RECOMPUTE=1 before importing it; it
+             needs two TF functions put back where TF 2.21 moved them)
+    ours     keras_recompute.integrations.bert4keras.enable(), RECOMPUTE=1
+
+Modes: function (TF2, `train_on_batch` compiles a `tf.function`); graph (a
+TF1-style graph: `tf.compat.v1.disable_eager_execution()`).
+
+Usage:
+    python benchmarks/bert4keras_bert.py                    # seq 128, batch 8: a few minutes
+    python benchmarks/bert4keras_bert.py --seq 64 --layers 4
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+METHODS = ("none", "theirs", "ours")
+MODES = ("function", "graph")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--intermediate", type=int, default=3072)
+    parser.add_argument("--vocab", type=int, default=30522)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps, after one warm-up step")
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--child", nargs=2, metavar=("METHOD", "MODE"), help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def child(args):
+    method, mode = args.child
+    os.environ.update(TF_KERAS="1", TF_USE_LEGACY_KERAS="1", TF_CPU_ALLOCATOR_USE_BFC="1", TF_CPP_MIN_LOG_LEVEL="3")
+    os.environ["RECOMPUTE"] = "0" if method == "none" else "1"
+    import numpy as np
+    import tensorflow as tf
+
+    if mode == "graph":
+        tf.compat.v1.disable_eager_execution()
+    if method == "theirs":
+        from tensorflow.python.eager import record, tape
+
+        for name in ("stop_recording", "record_operation"):
+            if not hasattr(tape, name):
+                setattr(tape, name, getattr(record, name))
+    import tf_keras
+    from bert4keras.models import build_transformer_model
+
+    if method == "ours":
+        from keras_recompute.integrations import bert4keras as recompute_bert4keras
+
+        recompute_bert4keras.enable()
+
+    if os.environ.get("BENCH_TF_GENERATOR") == "1":
+        tf_keras.backend.experimental.enable_tf_random_generator()
+    tf_keras.utils.set_random_seed(0)
+    bert = build_transformer_model(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        intermediate_size=args.intermediate,
+        hidden_act="gelu",
+        hidden_dropout_prob=0.1,
+        attention_probs_dropout_prob=float(os.environ.get("BENCH_ATTENTION_DROPOUT", "0.1")),
+        max_position_embeddings=512,
+    )
+    cls = tf_keras.layers.Lambda(lambda x: x[:, 0])(bert.output)
+    model = tf_keras.Model(bert.inputs, tf_keras.layers.Dense(2)(cls))
+    model.compile(
+        optimizer=tf_keras.optimizers.legacy.Adam(1e-5),
+        loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    rng = np.random.RandomState(0)
+    token_ids = rng.randint(1, args.vocab, size=(args.batch, args.seq)).astype("int32")
+    segment_ids = np.zeros((args.batch, args.seq), "int32")
+    labels = rng.randint(0, 2, size=(args.batch,)).astype("int32")
+    model.train_on_batch([token_ids, segment_ids], labels)  # builds and compiles
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    times = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        loss = float(np.asarray(model.train_on_batch([token_ids, segment_ids], labels)))
+        times.append(time.perf_counter() - start)
+    peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+    print(json.dumps({"peak": peak, "step": min(times), "loss": loss}))
+
+
+def run_child(args, method, mode):
+    argv = [sys.executable, os.path.abspath(__file__), "--child", method, mode]
+    for name in ("layers", "hidden", "heads", "intermediate", "vocab", "seq", "batch", "steps"):
+        argv += [f"--{name}", str(getattr(args, name))]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
+        return {"error": (lines[-1] if lines else "no output")[:160]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.child:
+        return child(args)
+    print(
+        f"bert4keras BERT: {args.layers} x {args.hidden}, {args.heads} heads, FFN {args.intermediate}, "
+        f"vocab {args.vocab}, seq {args.seq}, batch {args.batch}, dropout 0.1, Adam; fastest of {args.steps} steps"
+    )
+    print(f"{'mode':<9} {'method':<7} {'peak MB':>8} {'vs none':>8} {'step s':>7} {'vs none':>8}  loss")
+    for mode in args.modes:
+        base = None
+        for method in args.methods:
+            record = run_child(args, method, mode)
+            if "error" in record:
+                print(f"{mode:<9} {method:<7} failed: {record['error']}")
+                continue
+            if method == "none":
+                base = record
+            ratios = ("", "")
+            if base is not None:
+                ratios = (f"{base['peak'] / record['peak']:.2f}x", f"{record['step'] / base['step']:.2f}x")
+            print(
+                f"{mode:<9} {method:<7} {record['peak'] / 2**20:>8.0f} {ratios[0]:>8} {record['step']:>7.2f} "
+                f"{ratios[1]:>8}  {record['loss']:.4f}"
+            )
+
+
+if __name__ == "__main__":
+    main()
