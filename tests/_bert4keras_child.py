@@ -1,12 +1,17 @@
 """Child process of test_bert4keras.py: a small bert4keras BERT trained with and without recompute.
 
-Usage: python _bert4keras_child.py ours|theirs [eager|function]
+Usage: python _bert4keras_child.py ours|theirs [eager|function|graph]
   ours    keras_recompute.integrations.bert4keras.enable(), RECOMPUTE toggled by a scope
   theirs  bert4keras's own recompute (RECOMPUTE=1 when bert4keras is imported)
 Trains three SGD steps with dropout, first with every patched `call` plain, then
 recomputed, from the same weights and random state. Prints a JSON line: the
 losses of both runs and, per step, how many of the gradients differ by more
 than 1e-4 (relative to the largest value) and the largest such difference.
+
+`graph`: a TF1-style graph (`tf.compat.v1.disable_eager_execution()`), where
+dropout follows the learning-phase placeholder inside `tf.cond`: three
+`train_on_batch` steps with recompute on; the recompute check (on by default)
+raises if a recomputed output differs from its forward's. Prints the losses.
 """
 
 import json
@@ -22,6 +27,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+
+if mode == "graph":
+    tf.compat.v1.disable_eager_execution()
 import tf_keras  # noqa: E402
 from bert4keras import layers as bert_layers  # noqa: E402
 from bert4keras.models import build_transformer_model  # noqa: E402
@@ -67,6 +75,17 @@ def set_calls(calls):
 # Built with the plain calls (tf_keras reads `call`'s signature once, when the layer is made).
 set_calls(plain)
 tf_keras.utils.set_random_seed(0)
+if mode == "graph":
+    # A TF1 graph is built when the layers are called: recompute must be on then.
+    set_calls(ours)
+    with recompute_scope(True):
+        model = build_transformer_model(with_mlm=True, **CONFIG)
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    rng = np.random.RandomState(0)
+    token_ids, segment_ids, labels = (rng.randint(0, n, size=(4, 16)) for n in (100, 2, 100))
+    losses = [float(model.train_on_batch([token_ids, segment_ids], labels)) for _ in range(3)]
+    print(json.dumps({"losses": losses}))
+    sys.exit(0)
 model = build_transformer_model(with_mlm=True, **CONFIG)
 initial = model.get_weights()
 rng = np.random.RandomState(0)
