@@ -17,8 +17,6 @@ accuracy and peak memory. With downloaded weights, use
 """
 
 import os
-import subprocess
-import sys
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -65,26 +63,7 @@ def train():
     )
 
 
-def main():
-    if os.environ.get("EXAMPLE_CHILD"):
-        train()
-        return
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    peaks = {}
-    for recompute in ("0", "1"):
-        env = dict(
-            os.environ,
-            RECOMPUTE=recompute,
-            EXAMPLE_CHILD="1",
-            TF_CPU_ALLOCATOR_USE_BFC="1",
-            PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
-        )
-        out = subprocess.run([sys.executable, __file__], env=env, check=True, capture_output=True, text=True)
-        line = out.stdout.strip().splitlines()[-1]
-        print(line)
-        peaks[recompute] = float(line.rsplit("peak ", 1)[1].split()[0])
-    print(f"peak memory {peaks['0'] / peaks['1']:.1f}x lower with recompute ({peaks['0'] - peaks['1']:.0f} MB saved)")
-
-
 if __name__ == "__main__":
-    main()
+    from _off_and_on import main  # examples/_off_and_on.py: RECOMPUTE=0, then 1
+
+    main(__file__, train)

@@ -187,7 +187,7 @@ def test_mixed_precision(mode, policy):
     keras.config.set_dtype_policy(policy)
     _, recomputed, results = compare_with_twin(Noisy, [normal(8, 16)], mode, steps=2, rtol=1e-2)
     assert recomputed.dense.compute_dtype == policy.split("_")[1]
-    (outputs, _), _ = results[0]
+    assert len(results) == 2
 
 
 def test_add_loss_inside_is_kept():
@@ -323,3 +323,22 @@ def test_memory_falls():
     ratio = activations["none"] / max(activations["ours"], 1.0)
     print(f"{BACKEND}: activations {activations['none']:.0f} MB -> {activations['ours']:.0f} MB, {ratio:.1f}x")
     assert ratio >= 3.0, f"activation memory fell only {ratio:.2f}x: {activations}"
+
+
+class ImplicitTraining(layers.Layer):
+    """Dropout called without `training`: it reads it from Keras's call context."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = layers.Dense(32, activation="relu")
+        self.dropout = layers.Dropout(0.5, seed=5)
+        self.out = layers.Dense(16)
+
+    def call(self, inputs):
+        return self.out(self.dropout(self.dense(inputs)))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_training_from_the_call_context(mode):
+    """The recompute sees the forward's call context, so its dropout is on as the forward's was."""
+    compare_with_twin(ImplicitTraining, [normal(8, 16)], mode, steps=2)

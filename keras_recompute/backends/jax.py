@@ -1,30 +1,47 @@
-"""Keras 3 on JAX: recompute with `jax.checkpoint`.
+"""Keras 3 on JAX: the call traced once, and a custom VJP that evaluates it again.
 
 NOTE [ recompute on JAX ]
-`jax.checkpoint` traces the call once into a program; the forward keeps only
-that program's inputs and the backward evaluates it a second time. The
-recompute replays the traced program, not the Python function, so random draws
-(their seeds are values in the program) and batch statistics are the
-forward's by construction, and the values always agree: `check` has nothing to
-compare here.
+The call is traced once into a program (`jax.make_jaxpr`); every value it
+closes over (weights read through Keras's stateless scope, seed states, masks,
+outer tracers) becomes an explicit argument. A `jax.custom_vjp` runs that
+program forward and keeps only its arguments; its backward evaluates the
+program again and differentiates it (`jax.vjp`). The recompute replays the
+traced program, not the Python function, so random draws (their seeds are
+arguments) and batch statistics are the forward's by construction, and the
+values always agree: `check` has nothing to compare here.
 
-What needs care is everything that is not a float array:
-  * Only the floating-point leaves of the arguments are arguments of the
-    checkpointed function. Everything else (`training`, masks, token ids,
-    Python values) is closed over, so Python control flow on `training` works.
-    `keras.remat` passes them all through `jax.checkpoint`, which traces
-    `training` and makes Dropout and BatchNorm fail.
+Why not `jax.checkpoint` alone: on XLA's CPU backend it saved nothing (16
+blocks of 4096 x 1024 activations: 848 MB of temporaries against 852 MB
+without it). XLA expands its optimization barrier before CSE, which then
+merges the recomputed matmuls back into the forward, and XLA's default CPU
+scheduler runs the recompute early, before the backward needs it. So, as on the
+TensorFlow path (NOTE [ ordering the recompute in graphs ] there):
+  * the backward adds to each argument a zero made from the incoming
+    gradient's data that no compiler can fold (`where(g == g, 0, nan)`): the
+    recompute can neither start before that gradient exists nor be merged
+    with the forward (124 MB for the stack above);
+  * the forward's integer arguments (seed states) wait for its float inputs
+    the same way, or every block's dropout bits, which depend on the seeds
+    alone, are drawn at the start of the step and all kept alive.
+(Tying the returned gradients together as well cost 5x the compile time on a
+24-block stack, for no saving: not done.)
+
+What else needs care:
+  * Only the floating-point leaves of the arguments are differentiated;
+    `training`, masks, token ids and Python values stay what they are, so
+    Python control flow on `training` works (`keras.remat` passes them all
+    through `jax.checkpoint`, which traces `training` and makes Dropout and
+    BatchNorm fail).
   * Keras layers assign variables (seed states, moving statistics) and call
-    `add_loss` inside `call`. Inside `jax.checkpoint` those values are tracers
-    of the inner trace; stored in a variable or a scope they would leak out of
-    it. The call runs in a stateless scope that records them
-    (`_keras3.collect`); they leave the checkpoint as extra outputs and are
-    assigned, or added as losses, outside it, where Keras expects them
-    (the training step's stateless scope, or the variables in eager mode).
-  * `prevent_cse=True` (JAX's default, stated here on purpose) keeps XLA from
-    merging the recompute with the forward, which would undo the saving.
-  * A layer that is not built yet is called plainly once: building it inside
-    the checkpoint would create its variables from tracers.
+    `add_loss` inside `call`. Inside the trace those values are tracers;
+    stored in a variable or a scope they would leak out of it. The call runs
+    in a stateless scope that records them (`_keras3.collect`); they leave the
+    program as extra outputs and are assigned, or added as losses, outside
+    it, where Keras expects them (the training step's stateless scope, or the
+    variables in eager mode).
+  * A layer that is not built yet, or a call on symbolic inputs (a functional
+    model being built), is called plainly: building inside the trace would
+    create variables from tracers.
 """
 
 import jax
@@ -39,7 +56,7 @@ def _is_differentiable(value):
 
 
 def recompute_call(fn, args, kwargs, name, check=True):
-    """Calls `fn(*args, **kwargs)` under `jax.checkpoint`.
+    """Calls `fn(*args, **kwargs)`, keeping only its arguments for the backward.
 
     Args:
         fn: the undecorated function (`Layer.call`, a function, a callable).
