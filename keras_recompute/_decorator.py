@@ -17,7 +17,7 @@ def recompute_grad(fn=None, *, enabled=None, check=True):
     """Recomputes a call's activations in the backward pass instead of storing them.
 
     Decorate a Keras `Layer.call` (or any function or callable that runs
-    Keras layers or TensorFlow ops). When recompute is on, the forward pass
+    Keras layers, or TensorFlow, JAX or PyTorch ops). When recompute is on, the forward pass
     keeps only the call's inputs; its intermediate activations are computed
     again during the backward pass. Gradients of the inputs and of every
     trainable weight the call reads (found automatically, nested layers and
