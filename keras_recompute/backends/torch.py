@@ -11,10 +11,12 @@ Keras autocast scope, and assigns moving statistics in `call`. So before the
 forward we snapshot the layer's non-trainable variables and the global seed
 generator (cloned: torch variables are assigned in place), and the recompute
 runs inside `_keras3.replay` through `context_fn`: reads see the snapshot,
-assignments and losses are dropped, the autocast scope is the forward's. This
-is what `keras.remat` lacks: with dropout its recompute draws other masks, so
-torch's determinism check raises `CheckpointError`, or with the check off the
-gradient is silently wrong.
+assignments and losses are dropped, the autocast scope and the call context
+(`training` for sub-layers called without it) are the forward's. This is what
+`keras.remat` lacks: around a transformer block with seeded dropout its
+recompute draws other masks, and the input gradient came out 400.0 where the
+plain block's is 0.0001 (same shapes, so torch's determinism check is silent;
+seen on Keras 3.15 with PyTorch 2.13).
 
 Early stopping is turned off: it stops the recompute by raising an exception
 inside it, and the exception's traceback ties the frames of the layers'
