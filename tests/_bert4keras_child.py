@@ -1,6 +1,7 @@
 """Child process of test_bert4keras.py: a small bert4keras BERT trained with and without recompute.
 
 Usage: python _bert4keras_child.py ours|theirs [eager|function|graph]
+       python _bert4keras_child.py feedforward
   ours    keras_recompute.integrations.bert4keras.enable(), RECOMPUTE toggled by a scope
   theirs  bert4keras's own recompute (RECOMPUTE=1 when bert4keras is imported)
 Trains three SGD steps with dropout, first with every patched `call` plain, then
@@ -36,6 +37,21 @@ from bert4keras.models import build_transformer_model  # noqa: E402
 
 from keras_recompute import recompute_scope  # noqa: E402
 from keras_recompute.integrations import bert4keras as recompute_bert4keras  # noqa: E402
+
+if method == "feedforward":
+    # keras_recompute.layers.FeedForward takes bert4keras's FeedForward weights unchanged.
+    from keras_recompute import layers as recompute_layers
+
+    x = tf.random.stateless_normal((2, 6, 32), seed=[1, 2])
+    theirs_layer = bert_layers.FeedForward(64, activation="gelu")
+    ours_layer = recompute_layers.for_keras(tf_keras).FeedForward(64, activation="gelu")
+    theirs_layer(x)
+    ours_layer(x)
+    shapes = [tuple(w.shape) for w in ours_layer.get_weights()]
+    ours_layer.set_weights(theirs_layer.get_weights())
+    difference = float(tf.reduce_max(tf.abs(ours_layer(x) - theirs_layer(x))))
+    print(json.dumps({"difference": difference, "shapes": shapes}))
+    sys.exit(0)
 
 if method == "theirs":
     # bert4keras 0.11.5's recompute calls functions that TF 2.21 moved from

@@ -45,3 +45,9 @@ def test_graph_mode_trains_with_dropout_inside_tf_cond():
     """bert4keras's own recompute does nothing in graph mode; ours recomputes, and its check passes."""
     losses = run("ours", "graph")["losses"]
     assert len(losses) == 3 and all(loss == loss and loss < 10 for loss in losses), losses
+
+
+def test_feed_forward_loads_bert4keras_weights():
+    report = run("feedforward", "eager")
+    assert report["shapes"] == [[32, 64], [64], [64, 32], [32]]
+    assert report["difference"] < 1e-6
