@@ -72,8 +72,6 @@ def child(args):
 
         recompute_bert4keras.enable()
 
-    if os.environ.get("BENCH_TF_GENERATOR") == "1":
-        tf_keras.backend.experimental.enable_tf_random_generator()
     tf_keras.utils.set_random_seed(0)
     bert = build_transformer_model(
         vocab_size=args.vocab,
@@ -83,7 +81,7 @@ def child(args):
         intermediate_size=args.intermediate,
         hidden_act="gelu",
         hidden_dropout_prob=0.1,
-        attention_probs_dropout_prob=float(os.environ.get("BENCH_ATTENTION_DROPOUT", "0.1")),
+        attention_probs_dropout_prob=0.1,
         max_position_embeddings=512,
     )
     cls = tf_keras.layers.Lambda(lambda x: x[:, 0])(bert.output)

@@ -145,7 +145,7 @@ def collect():
     Reads see the enclosing scope's values (or the variables'); `assign` and
     `add_loss` are recorded in the scope (`updated`, `state_mapping`,
     `losses`) instead of touching the variables, so a tracer made inside a
-    transformation (`jax.checkpoint`) does not leak into a variable.
+    trace (the JAX path traces the call once) does not leak into a variable.
     """
     return _replay_scope_class()([])
 
