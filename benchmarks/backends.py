@@ -33,8 +33,10 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _measure  # noqa: E402
+
 METHODS = ("none", "ours", "remat", "rematscope")
-MAX_BATCH = 1 << 14  # where the largest-batch search stops doubling
 
 
 def parse_args(argv=None):
@@ -123,37 +125,6 @@ def build_model(args, method):
     return model
 
 
-def _device_peak_reset(backend):
-    if backend == "torch":
-        import torch
-
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-
-
-def _device_peak(backend):
-    """Allocator peak in bytes on a GPU, or None on the CPU."""
-    if backend == "torch":
-        import torch
-
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-            return torch.cuda.max_memory_allocated()
-        return None
-    import jax
-
-    device = jax.devices()[0]
-    if device.platform == "cpu":
-        return None
-    return device.memory_stats()["peak_bytes_in_use"]
-
-
-def _rss_peak():
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) * 1024
-
-
 def child(args):
     """Trains one configuration; prints a JSON line with its peak and step time."""
     import numpy as np
@@ -166,64 +137,29 @@ def child(args):
     rng = np.random.RandomState(0)
     ids = rng.randint(0, args.vocab, size=(args.batch, args.seq)).astype("int32")
     labels = rng.randint(0, 2, size=(args.batch,)).astype("int32")
-    _device_peak_reset(args.backend)
+    _measure.reset_peak(args.backend)
     times = []
     for step in range(args.steps + 2):
         start = time.perf_counter()
         loss = float(np.asarray(model.train_on_batch(ids, labels)))
         if step >= 2:
             times.append(time.perf_counter() - start)
-    device_peak = _device_peak(args.backend)
-    print(
-        json.dumps(
-            {"device_peak": device_peak, "rss_peak": _rss_peak(), "step": min(times) if times else None, "loss": loss}
-        )
-    )
+    print(json.dumps({"peak": _measure.peak(args.backend), "rss": _measure.rss_peak(), "step": min(times) if times else None, "loss": loss}))
 
 
-def run_child(args, method, batch, steps=None, low_mmap_threshold=False):
-    """Runs a child; returns its JSON record, or {"error": ...}.
-
-    `low_mmap_threshold` sets `MALLOC_MMAP_THRESHOLD_=131072`, so that freed
-    buffers leave the RSS (for the CPU memory figure). It slows allocation, so
-    step times are taken in a child without it.
-    """
-    argv = [sys.executable, os.path.abspath(__file__), "--child", method, "--backend", args.backend]
+def child_arguments(args, method, batch, steps=None):
+    arguments = ["--child", method, "--backend", args.backend]
     for name in ("blocks", "hidden", "heads", "ffn", "seq", "vocab", "dropout"):
-        argv += [f"--{name}", str(getattr(args, name))]
-    argv += ["--batch", str(batch), "--steps", str(args.steps if steps is None else steps)]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(
-        os.environ,
-        KERAS_BACKEND=args.backend,
-        PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
-        TF_CPP_MIN_LOG_LEVEL="3",
-    )
-    if low_mmap_threshold:
-        env["MALLOC_MMAP_THRESHOLD_"] = "131072"
-    done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
-        message = next((line for line in reversed(lines) if "Error" in line or "error" in line), lines[-1] if lines else "")
-        return {"error": message.strip()[:160]}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+        arguments += [f"--{name}", getattr(args, name)]
+    return arguments + ["--batch", batch, "--steps", args.steps if steps is None else steps]
 
 
 def measure(args, method, batch, steps=None):
     """Peak bytes (allocator peak, or activations' RSS on the CPU) and step time."""
-    record = run_child(args, method, batch, steps)
-    if "error" in record:
-        return record
-    if record["device_peak"] is not None:
-        record["peak"] = record["device_peak"]
-    else:
-        full = run_child(args, method, batch, steps=0, low_mmap_threshold=True)
-        baseline = run_child(args, method, 1, steps=0, low_mmap_threshold=True)
-        for other in (full, baseline):
-            if "error" in other:
-                return other
-        record["peak"] = full["rss_peak"] - baseline["rss_peak"]
-    return record
+    script = os.path.abspath(__file__)
+    return _measure.measured(
+        script, child_arguments(args, method, batch, steps), args.backend, child_arguments(args, method, 1, steps=0)
+    )
 
 
 def largest_batch(args, method, budget):
@@ -233,13 +169,7 @@ def largest_batch(args, method, budget):
         record = measure(args, method, batch, steps=0)
         return "error" not in record and record["peak"] <= budget
 
-    low, high = 0, 1
-    while high <= MAX_BATCH and fits(high):
-        low, high = high, high * 2
-    while high - low > 1:
-        middle = (low + high) // 2
-        low, high = (middle, high) if fits(middle) else (low, middle)
-    return low
+    return _measure.largest_batch(fits)
 
 
 def main(argv=None):

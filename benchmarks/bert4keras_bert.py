@@ -12,24 +12,36 @@ Methods:
     none     bert4keras as is, RECOMPUTE unset
     theirs   bert4keras's own recompute (RECOMPUTE=1 before importing it; it
              needs two TF functions put back where TF 2.21 moved them)
-    ours     keras_recompute.integrations.bert4keras.enable(), RECOMPUTE=1
+    ours     keras_recompute.integrations.bert4keras.enable(), RECOMPUTE=1: per layer
+    model    keras_recompute.recompute_model(model), RECOMPUTE=1: each
+             transformer block as one unit
 
 Modes: function (TF2, `train_on_batch` compiles a `tf.function`); graph (a
 TF1-style graph: `tf.compat.v1.disable_eager_execution()`).
 
+`--per-sample B1 B2` also measures activation memory per sample: the growth
+of the peak from batch B1 to batch B2, over B2 - B1 (weights and optimizer
+state do not grow with the batch); take batches large enough that activations,
+not the optimizer's update, set both peaks. `--budget-mb M` also finds, by doubling
+and bisection, the largest batch whose peak fits M MB, and its time per
+sample (one child process per probe; slow at BERT-base size on a CPU).
+
 Usage:
     python benchmarks/bert4keras_bert.py                    # seq 128, batch 8: a few minutes
     python benchmarks/bert4keras_bert.py --seq 64 --layers 4
+    python benchmarks/bert4keras_bert.py --modes function --methods none ours model --per-sample 8 40 --budget-mb 2500
 """
 
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
-METHODS = ("none", "theirs", "ours")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _measure  # noqa: E402
+
+METHODS = ("none", "theirs", "ours", "model")
 MODES = ("function", "graph")
 
 
@@ -45,6 +57,9 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=3, help="timed steps, after one warm-up step")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--per-sample", type=int, nargs=2, metavar=("B1", "B2"), help="activation memory per sample")
+    parser.add_argument("--budget-mb", type=float, help="also find the largest batch that fits")
+    parser.add_argument("--out", help="also write the results as JSON to this file")
     parser.add_argument("--child", nargs=2, metavar=("METHOD", "MODE"), help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -52,7 +67,7 @@ def parse_args(argv=None):
 def child(args):
     method, mode = args.child
     os.environ.update(TF_KERAS="1", TF_USE_LEGACY_KERAS="1", TF_CPU_ALLOCATOR_USE_BFC="1", TF_CPP_MIN_LOG_LEVEL="3")
-    os.environ["RECOMPUTE"] = "0" if method == "none" else "1"
+    os.environ["RECOMPUTE"] = "1" if method == "theirs" else "0"  # bert4keras reads it at its import
     import numpy as np
     import tensorflow as tf
 
@@ -71,6 +86,7 @@ def child(args):
         from keras_recompute.integrations import bert4keras as recompute_bert4keras
 
         recompute_bert4keras.enable()
+    os.environ["RECOMPUTE"] = "0" if method == "none" else "1"  # bert4keras read it at its import
 
     tf_keras.utils.set_random_seed(0)
     bert = build_transformer_model(
@@ -86,6 +102,10 @@ def child(args):
     )
     cls = tf_keras.layers.Lambda(lambda x: x[:, 0])(bert.output)
     model = tf_keras.Model(bert.inputs, tf_keras.layers.Dense(2)(cls))
+    if method == "model":
+        from keras_recompute import recompute_model
+
+        recompute_model(model)
     model.compile(
         optimizer=tf_keras.optimizers.legacy.Adam(1e-5),
         loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -106,22 +126,39 @@ def child(args):
 
 
 def run_child(args, method, mode):
-    argv = [sys.executable, os.path.abspath(__file__), "--child", method, mode]
+    arguments = ["--child", method, mode]
     for name in ("layers", "hidden", "heads", "intermediate", "vocab", "seq", "batch", "steps"):
-        argv += [f"--{name}", str(getattr(args, name))]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
-        return {"error": (lines[-1] if lines else "no output")[:160]}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+        arguments += [f"--{name}", getattr(args, name)]
+    return _measure.run(os.path.abspath(__file__), arguments, "tensorflow")
+
+
+def per_sample(args, method, mode):
+    """Activation memory per sample in bytes, from the peaks at two batch sizes."""
+    small, large = args.per_sample
+    records = [run_child(argparse.Namespace(**{**vars(args), "batch": batch, "steps": 1}), method, mode) for batch in (small, large)]
+    if any("error" in record for record in records):
+        return None
+    return (records[1]["peak"] - records[0]["peak"]) / (large - small)
+
+
+def largest_batch(args, method, mode):
+    """The largest batch whose peak fits `--budget-mb`, and the record of its run."""
+    budget = args.budget_mb * 2**20
+    records = {}
+
+    def fits(batch):
+        records[batch] = run_child(argparse.Namespace(**{**vars(args), "batch": batch, "steps": 2}), method, mode)
+        return "error" not in records[batch] and records[batch]["peak"] <= budget
+
+    batch = _measure.largest_batch(fits, limit=4096)
+    return batch, records.get(batch)
 
 
 def main(argv=None):
     args = parse_args(argv)
     if args.child:
         return child(args)
+    results = {"table": [], "per_sample": {}, "largest_batch": {}}
     print(
         f"bert4keras BERT: {args.layers} x {args.hidden}, {args.heads} heads, FFN {args.intermediate}, "
         f"vocab {args.vocab}, seq {args.seq}, batch {args.batch}, dropout 0.1, Adam; fastest of {args.steps} steps"
@@ -143,6 +180,29 @@ def main(argv=None):
                 f"{mode:<9} {method:<7} {record['peak'] / 2**20:>8.0f} {ratios[0]:>8} {record['step']:>7.2f} "
                 f"{ratios[1]:>8}  {record['loss']:.4f}"
             )
+            results["table"].append({"mode": mode, "method": method, **record})
+    if args.per_sample:
+        mode = args.modes[0]
+        print(f"activation memory per sample ({mode}, from batch {args.per_sample[0]} to {args.per_sample[1]}):")
+        for method in args.methods:
+            value = per_sample(args, method, mode)
+            results["per_sample"][method] = value
+            base = results["per_sample"].get("none")
+            ratio = f"  {base / value:.2f}x lower than none" if base and value else ""
+            print(f"  {method:<7} {value / 2**20:8.1f} MB" + ratio if value else f"  {method:<7} failed")
+    if args.budget_mb:
+        mode = args.modes[0]
+        print(f"largest batch within {args.budget_mb:.0f} MB ({mode}), and time per sample there:")
+        for method in args.methods:
+            batch, record = largest_batch(args, method, mode)
+            per = record["step"] / batch if record and batch else float("nan")
+            results["largest_batch"][method] = {"batch": batch, "seconds_per_sample": per}
+            base = results["largest_batch"].get("none", {})
+            ratio = f"  {batch / base['batch']:.2f}x the batch, {per / base['seconds_per_sample']:.2f}x the time per sample" if base.get("batch") else ""
+            print(f"  {method:<7} batch {batch:>5}  {per:.3f} s/sample" + ratio)
+    if args.out:
+        with open(args.out, "w") as out:
+            json.dump({"arguments": vars(args), "results": results}, out, indent=1, default=str)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,9 @@
-"""Runs an example's `train()` twice, RECOMPUTE=0 then 1, each in a fresh process.
+"""Runs an example's `train()` once per variant (by default RECOMPUTE=0, then 1), each in a fresh process.
 
-The example's command-line arguments are passed to both.
-
-Each child uses TensorFlow's BFC allocator (so its peak memory is measured)
-and prints a line ending in `peak N MB`; the parent prints both lines and the
-ratio of the peaks.
+The example's command-line arguments are passed to every child. Each child
+uses TensorFlow's BFC allocator (so its peak memory is measured) and prints a
+line ending in `peak N MB`; the parent prints the lines and the ratio of each
+peak to the first variant's.
 """
 
 import os
@@ -12,25 +11,34 @@ import subprocess
 import sys
 
 CHILD = "KERAS_RECOMPUTE_EXAMPLE_CHILD"
+OFF_AND_ON = (("RECOMPUTE=0", {"RECOMPUTE": "0"}), ("RECOMPUTE=1", {"RECOMPUTE": "1"}))
 
 
-def main(script, train):
-    """`train()` in this process if it is a child; else the two children and their ratio."""
+def main(script, train, variants=OFF_AND_ON):
+    """`train()` in this process if it is a child; else one child per variant, and their peaks.
+
+    Args:
+        script: the example's `__file__`.
+        train: the function a child runs.
+        variants: `(label, environment)` pairs, one child each.
+    """
     if os.environ.get(CHILD):
         train()
         return
     root = os.path.dirname(os.path.dirname(os.path.abspath(script)))
-    peaks = {}
-    for recompute in ("0", "1"):
+    peaks = []
+    for label, variables in variants:
         env = dict(
             os.environ,
-            RECOMPUTE=recompute,
             TF_CPU_ALLOCATOR_USE_BFC="1",
             PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
+            **variables,
         )
         env[CHILD] = "1"
         out = subprocess.run([sys.executable, script, *sys.argv[1:]], env=env, check=True, capture_output=True, text=True)
         line = out.stdout.strip().splitlines()[-1]
         print(line)
-        peaks[recompute] = float(line.rsplit("peak ", 1)[1].split()[0])
-    print(f"peak memory {peaks['0'] / peaks['1']:.1f}x lower with recompute ({peaks['0'] - peaks['1']:.0f} MB saved)")
+        peaks.append((label, float(line.rsplit("peak ", 1)[1].split()[0])))
+    first_label, first = peaks[0]
+    for label, peak in peaks[1:]:
+        print(f"{label}: peak memory {first / peak:.1f}x lower than {first_label} ({first - peak:.0f} MB saved)")

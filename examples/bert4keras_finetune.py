@@ -1,20 +1,25 @@
 """Fine-tune a bert4keras BERT classifier with recompute, on the CPU, in a few minutes.
 
 bert4keras 0.11.5 runs on TensorFlow 2.21 through tf_keras (TF_KERAS=1,
-TF_USE_LEGACY_KERAS=1). One line makes its attention and feed-forward layers
-recompute with keras_recompute:
+TF_USE_LEGACY_KERAS=1). The BERT here is built from a config (6 layers of 256,
+no checkpoint to download) and fine-tuned on a synthetic task: is the
+sentence's first word 7 or 8? Four runs, each in its own process with
+TensorFlow's BFC allocator, print loss, accuracy and peak memory:
 
-    from keras_recompute.integrations import bert4keras as recompute_bert4keras
-    recompute_bert4keras.enable()
-
-The BERT here is built from a config (6 layers of 256, no checkpoint to
-download) and fine-tuned on a synthetic task: is the sentence's first word 7 or 8? It
-trains once with RECOMPUTE=0 and once with RECOMPUTE=1, each in its own
-process with TensorFlow's BFC allocator, and prints accuracy and peak memory.
-With a real checkpoint, pass `config_path=` and `checkpoint_path=` to
-`build_transformer_model` instead of the sizes.
+    none     no recompute
+    theirs   bert4keras's own recompute (RECOMPUTE=1 when bert4keras is imported):
+             per layer, and wrong for self-attention (it doubles the gradient of
+             a tensor passed twice): its loss differs
+    enable   `keras_recompute.integrations.bert4keras.enable()`: the same layers,
+             one by one, exactly
+    model    `keras_recompute.recompute_model(model)`: each transformer block as
+             one unit (bert4keras builds a block from separate layers; the
+             block is found in the graph), exactly, and the least memory
 
     python examples/bert4keras_finetune.py
+
+With a real checkpoint, pass `config_path=` and `checkpoint_path=` to
+`build_transformer_model` instead of the sizes.
 """
 
 import os
@@ -23,16 +28,31 @@ os.environ.update(TF_KERAS="1", TF_USE_LEGACY_KERAS="1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 
+METHOD = "BERT4KERAS_EXAMPLE_METHOD"
+
+
 def train():
+    method = os.environ[METHOD]
+    os.environ["RECOMPUTE"] = "0" if method == "none" else "1"  # bert4keras reads it at its import
     import numpy as np
     import tensorflow as tf
+
+    if method == "theirs":
+        # bert4keras 0.11.5's recompute calls two functions TF 2.21 moved from
+        # `tape` to `record` (private TF API, put back for this comparison only).
+        from tensorflow.python.eager import record, tape
+
+        for name in ("stop_recording", "record_operation"):
+            if not hasattr(tape, name):
+                setattr(tape, name, getattr(record, name))
     import tf_keras
     from bert4keras.models import build_transformer_model
 
-    from keras_recompute import is_enabled
+    from keras_recompute import recompute_model
     from keras_recompute.integrations import bert4keras as recompute_bert4keras
 
-    recompute_bert4keras.enable()  # the one line
+    if method == "enable":
+        recompute_bert4keras.enable()  # the one line: bert4keras's layers, one by one
 
     tf_keras.utils.set_random_seed(0)
     bert = build_transformer_model(
@@ -48,6 +68,8 @@ def train():
     )
     cls = tf_keras.layers.Lambda(lambda x: x[:, 0])(bert.output)
     model = tf_keras.Model(bert.inputs, tf_keras.layers.Dense(2, activation="softmax")(cls))
+    if method == "model":
+        recompute_model(model)  # the one line: each transformer block as one unit
     model.compile(optimizer=tf_keras.optimizers.Adam(3e-4), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
 
     rng = np.random.RandomState(0)
@@ -61,12 +83,12 @@ def train():
     history = model.fit([tokens, segments], labels, batch_size=32, epochs=3, verbose=0)
     peak = tf.config.experimental.get_memory_info("CPU:0")["peak"] / 2**20
     print(
-        f"RECOMPUTE={int(is_enabled())}: loss {history.history['loss'][-1]:.4f}, "
+        f"{method:<6}: loss {history.history['loss'][-1]:.4f}, "
         f"accuracy {history.history['accuracy'][-1]:.3f}, peak {peak:.0f} MB"
     )
 
 
 if __name__ == "__main__":
-    from _off_and_on import main  # examples/_off_and_on.py: RECOMPUTE=0, then 1
+    from _off_and_on import main  # examples/_off_and_on.py: one child per variant
 
-    main(__file__, train)
+    main(__file__, train, [(method, {METHOD: method}) for method in ("none", "theirs", "enable", "model")])

@@ -1,12 +1,15 @@
-"""Gradient checkpointing (recompute) for Keras layers.
+"""Gradient checkpointing (recompute) for Keras layers and models.
 
-`import keras_recompute` imports no framework: each backend path is imported
-when a decorated call first runs with recompute on.
+`recompute_grad` decorates a layer's `call` (or one instance's);
+`recompute_model` recomputes the blocks of an existing model without editing
+it. `import keras_recompute` imports no framework: each backend path is
+imported when a decorated call first runs with recompute on.
 """
 
 from keras_recompute._config import is_enabled, recompute_scope
 from keras_recompute._decorator import recompute_grad
 from keras_recompute._errors import RecomputeError
+from keras_recompute._model import recompute_model
 
 __version__ = "0.1.0"
 
@@ -14,6 +17,7 @@ __all__ = [
     "RecomputeError",
     "is_enabled",
     "recompute_grad",
+    "recompute_model",
     "recompute_scope",
     "__version__",
 ]

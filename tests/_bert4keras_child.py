@@ -1,8 +1,11 @@
 """Child process of test_bert4keras.py: a small bert4keras BERT trained with and without recompute.
 
-Usage: python _bert4keras_child.py ours|theirs [eager|function|graph]
+Usage: python _bert4keras_child.py ours|model|theirs [eager|function|graph]
        python _bert4keras_child.py feedforward
   ours    keras_recompute.integrations.bert4keras.enable(), RECOMPUTE toggled by a scope
+  model   keras_recompute.recompute_model(model): each transformer block one unit
+  model_over_theirs  the same, with bert4keras's own recompute on (RECOMPUTE=1 at its
+          import): recompute_model must take it off, with a warning
   theirs  bert4keras's own recompute (RECOMPUTE=1 when bert4keras is imported)
 Trains three SGD steps with dropout, first with every patched `call` plain, then
 recomputed, from the same weights and random state. Prints a JSON line: the
@@ -23,7 +26,7 @@ method = sys.argv[1]
 mode = sys.argv[2] if len(sys.argv) > 2 else "function"
 os.environ["TF_KERAS"] = "1"
 os.environ["TF_USE_LEGACY_KERAS"] = "1"
-os.environ["RECOMPUTE"] = "1" if method == "theirs" else "0"
+os.environ["RECOMPUTE"] = "1" if method in ("theirs", "model_over_theirs") else "0"
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import numpy as np  # noqa: E402
@@ -54,7 +57,7 @@ if method == "feedforward":
     print(json.dumps({"difference": difference, "shapes": shapes}))
     sys.exit(0)
 
-if method == "theirs":
+if method in ("theirs", "model_over_theirs"):
     # bert4keras 0.11.5's recompute calls functions that TF 2.21 moved from
     # `tape` to `record` (private TF API; tested on TF 2.21 only).
     from tensorflow.python.eager import record, tape
@@ -135,10 +138,24 @@ def train(recompute):
 
 
 expected = train(False)
-set_calls(ours if method == "ours" else theirs)
+units, warned = [], False
+if method in ("model", "model_over_theirs"):
+    import warnings
+
+    from keras_recompute import _model, recompute_model
+
+    if method == "model_over_theirs":
+        set_calls(theirs)  # as RECOMPUTE=1 at bert4keras's import leaves its layers
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        recompute_model(model)
+    warned = any("bert4keras's own recompute" in str(w.message) for w in caught)
+    units = _model.recomputed_units(model)
+else:
+    set_calls(ours if method == "ours" else theirs)
 actual = train(True)
 
-report = {"losses": [loss for loss, _ in actual], "plain_losses": [loss for loss, _ in expected], "steps": []}
+report = {"losses": [loss for loss, _ in actual], "plain_losses": [loss for loss, _ in expected], "steps": [], "units": units, "warned": warned}
 for (_, grads), (_, plain_grads) in zip(actual, expected):
     errors = normwise_errors(grads, plain_grads)
     report["steps"].append({"differ": sum(error > RTOL for error in errors), "count": len(errors), "max": max(errors)})

@@ -191,6 +191,53 @@ def _dense(gradients):
     return [None if g is None else tf.convert_to_tensor(g) for g in gradients]
 
 
+def case_model():
+    """`recompute_model` on a functional model in a TF1 graph: blocks and segments, then compile and fit."""
+    from keras_recompute import _model, recompute_model
+
+    class Wide(K.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.up = K.layers.Dense(512, activation="gelu")
+            self.dropout = K.layers.Dropout(0.2, seed=3)
+            self.down = K.layers.Dense(64)
+
+        def call(self, inputs, training=None):
+            return inputs + self.down(self.dropout(self.up(inputs), training=training))
+
+    x, y = np.random.RandomState(0).normal(size=(512, 64)).astype("float32"), np.zeros((512, 4), "float32")
+    report = {}
+    for plan in ("blocks", "segments"):
+        for on in (False, True):
+            K.backend.clear_session()
+            K.utils.set_random_seed(0)
+            inputs = K.Input((64,))
+            hidden = inputs
+            for i in range(4):
+                # `training=True`, not the learning phase: see NOTE [ dropout inside a graph branch ].
+                hidden = Wide(name=f"block_{i}")(hidden, training=True)
+            model = K.Model(inputs, K.layers.Dense(4)(hidden))
+            # Both twins rebuild the outputs (a seeded tf_keras dropout draws its next
+            # seed each time it is called); only one recomputes. The switch of a graph
+            # acts when it is built.
+            with recompute_scope(on):
+                recompute_model(model) if plan == "blocks" else recompute_model(model, segments=4)
+            model.compile(optimizer=K.optimizers.legacy.SGD(1e-3), loss="mse")
+            losses = [float(model.train_on_batch(x, y))]
+            tf.config.experimental.reset_memory_stats("CPU:0")
+            losses += [float(model.train_on_batch(x, y)) for _ in range(2)]
+            peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+            key = "" if on else "plain_"
+            report.setdefault(plan, {}).update({key + "losses": losses, key + "peak": peak})
+        report[plan]["units"] = _model.recomputed_units(model)
+    try:  # after compile, the training graph exists: the plan must come first
+        recompute_model(model)
+    except Exception as error:  # noqa: BLE001 - reported to the test
+        report["after_compile"] = str(error)
+    assert "before model.compile" in report.pop("after_compile", "")
+    return report
+
+
 def case_memory():
     """Peak memory of one training step in a Session, plain and recomputed."""
     peaks = {}

@@ -15,6 +15,8 @@ from keras_recompute import recompute_grad, recompute_scope
 
 BACKEND = keras.config.backend()
 MODES = {"tensorflow": ("eager", "function", "jit"), "jax": ("eager", "jit"), "torch": ("eager",)}[BACKEND]
+# For a test that one mode is enough for: the cheapest (JAX runs op by op in eager mode).
+FAST_MODE = "jit" if BACKEND == "jax" else "eager"
 RTOL = _compare.RTOL
 
 
@@ -83,7 +85,8 @@ def _tensorflow(layer, inputs, floats, mode, call):
     return keras.tree.map_structure(_numpy, outputs), [_numpy(g) for g in grads]
 
 
-def _jax(layer, inputs, floats, mode, call):
+def _jax_step(layer, inputs, floats, call):
+    """The loss-and-gradients function of a JAX training step, and its arguments."""
     import jax
 
     trainable = [v.value for v in layer.trainable_variables]
@@ -102,12 +105,31 @@ def _jax(layer, inputs, floats, mode, call):
         return _loss(outputs), (outputs, updated)
 
     grad_fn = jax.value_and_grad(stateless, argnums=(0, 1), has_aux=True)
+    others = [None if i in floats else jax.numpy.asarray(x) for i, x in enumerate(inputs)]
+    return grad_fn, (trainable, [jax.numpy.asarray(inputs[i]) for i in floats], others)
+
+
+def step_program(layer, inputs, call):
+    """JAX: the program of one training step (loss and gradients), as text.
+
+    JAX traces a recomputed call once and replays the traced program, so a
+    counter of Python calls cannot show the recompute; the program can: each
+    recomputed operation appears in it once more, in the backward.
+    """
+    import jax
+
+    floats = [i for i, x in enumerate(inputs) if np.issubdtype(np.asarray(x).dtype, np.floating)]
+    grad_fn, arguments = _jax_step(layer, inputs, floats, call)
+    return str(jax.make_jaxpr(grad_fn)(*arguments))
+
+
+def _jax(layer, inputs, floats, mode, call):
+    import jax
+
+    grad_fn, arguments = _jax_step(layer, inputs, floats, call)
     if mode == "jit":
         grad_fn = jax.jit(grad_fn)
-    others = [None if i in floats else jax.numpy.asarray(x) for i, x in enumerate(inputs)]
-    (_, (outputs, updated)), (weight_grads, input_grads) = grad_fn(
-        trainable, [jax.numpy.asarray(inputs[i]) for i in floats], others
-    )
+    (_, (outputs, updated)), (weight_grads, input_grads) = grad_fn(*arguments)
     for variable, value in zip(layer.non_trainable_variables, updated):
         variable.assign(value)
     return keras.tree.map_structure(_numpy, outputs), [_numpy(g) for g in list(input_grads) + list(weight_grads)]

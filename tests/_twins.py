@@ -94,3 +94,31 @@ def compare_with_twin(plain, recomputed, inputs, mode, call=None, rtol=RTOL, wei
 
 def copy_weights(source, target):
     target.set_weights(source.get_weights())
+
+
+def on_and_off(K, build, inputs, mode, steps=2):
+    """A model from `build()`, recompute off, then another from `build()`, recompute on.
+
+    Two builds, not one model twice: tf_keras's seeded dropout advances a
+    Python counter with each draw, which no seed setting rewinds.
+    """
+    runs = {}
+    for on in (False, True):
+        model = build()
+        runs[on] = []
+        for step in range(steps):
+            K.utils.set_random_seed(step)
+
+            def train_step(x):
+                with tf.GradientTape() as tape:
+                    outputs = model(x, training=True)
+                    loss = tf.reduce_sum(tf.sin(outputs) * tf.cos(0.7 * outputs))
+                return outputs, tape.gradient(loss, model.trainable_weights)
+
+            with recompute_scope(on):
+                runs[on].append(compile_mode(train_step, mode)(inputs))
+        runs[on].append(([tf.convert_to_tensor(w) for w in model.non_trainable_weights], []))
+    for step, (actual, expected) in enumerate(zip(runs[True], runs[False])):
+        assert_close(actual[0], expected[0], what=f"step {step} outputs")
+        assert_close(actual[1], expected[1], what=f"step {step} gradients")
+    return runs

@@ -13,6 +13,7 @@ _TENSORFLOW_RUN_ONLY = [
     "test_config.py",
     "test_context_tensorflow.py",
     "test_memory.py",
+    "test_model_tensorflow.py",
     "test_semantics.py",
     "test_tensorflow.py",
     "test_tf_graph.py",

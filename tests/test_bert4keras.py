@@ -35,6 +35,20 @@ def test_enable_gives_the_plain_losses_and_gradients(mode):
         assert result["differ"] == 0, f"step {step}: {result['differ']} gradients differ (max {result['max']:.3g})"
 
 
+@pytest.mark.parametrize("method,mode", [("model", "eager"), ("model", "function"), ("model_over_theirs", "function")])
+def test_recompute_model_recomputes_each_block_exactly(method, mode):
+    """`recompute_model(model)`: bert4keras builds a block from separate layers; each block is one unit.
+
+    With bert4keras's own recompute on (RECOMPUTE=1 at its import), it is taken off, with a warning.
+    """
+    report = run(method, mode)
+    assert report["warned"] == (method == "model_over_theirs")
+    assert report["units"] == [f"Transformer-{i}-MultiHeadSelfAttention .. Transformer-{i}-FeedForward-Norm" for i in range(2)]
+    assert report["losses"] == pytest.approx(report["plain_losses"], rel=1e-6)
+    for step, result in enumerate(report["steps"]):
+        assert result["count"] == 42 and result["differ"] == 0, f"step {step}: {result}"
+
+
 def test_bert4keras_own_recompute_is_wrong_where_ours_is_not():
     """The same comparison catches bert4keras's own recompute (q = k = v doubles a gradient)."""
     report = run("theirs", "function")

@@ -112,6 +112,7 @@ def test_decorator_argument_errors():
 def test_public_surface():
     assert set(keras_recompute.__all__) >= {
         "recompute_grad",
+        "recompute_model",
         "recompute_scope",
         "is_enabled",
         "RecomputeError",

@@ -16,7 +16,7 @@ import pytest
 from keras import layers, ops
 from keras.src.backend import get_keras_mask
 
-from _keras3_twins import BACKEND, MODES, compare_on_and_off, loss_and_gradients
+from _keras3_twins import BACKEND, FAST_MODE, MODES, compare_on_and_off, loss_and_gradients
 from keras_recompute import layers as recompute_layers
 from keras_recompute import recompute_grad, recompute_scope
 
@@ -124,8 +124,11 @@ BLOCKS = {
 }
 
 
-@pytest.mark.parametrize("kind", list(BLOCKS))
-@pytest.mark.parametrize("mode", MODES)
+# Every mode for a user's block; one for the others, whose path is the same.
+MASK_CASES = [(mode, "decorated class") for mode in MODES] + [(FAST_MODE, kind) for kind in list(BLOCKS)[1:]]
+
+
+@pytest.mark.parametrize("mode,kind", MASK_CASES)
 def test_masks_attached_to_tensors_reach_the_recompute(mode, kind, request):
     """`Embedding(mask_zero=True)`: sub-layers read the mask from their inputs, on and off alike."""
     if kind.startswith("keras-hub"):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from _twins import FRAMEWORKS, MODES, assert_close, compile_mode, framework
+from _twins import FRAMEWORKS, MODES, assert_close, compile_mode, framework, on_and_off
 from keras_recompute import recompute_grad, recompute_scope
 from test_tf_graph import run_case
 
@@ -85,36 +85,7 @@ def token_ids():
     return tf.constant(ids)
 
 
-def on_and_off(K, build, inputs, mode, steps=2):
-    """A model from `build()`, recompute off, then another from `build()`, recompute on.
-
-    Two builds, not one model twice: tf_keras's seeded dropout advances a
-    Python counter with each draw, which no seed setting rewinds.
-    """
-    runs = {}
-    for on in (False, True):
-        model = build()
-        runs[on] = []
-        for step in range(steps):
-            K.utils.set_random_seed(step)
-
-            def train_step(x):
-                with tf.GradientTape() as tape:
-                    outputs = model(x, training=True)
-                    loss = tf.reduce_sum(tf.sin(outputs) * tf.cos(0.7 * outputs))
-                return outputs, tape.gradient(loss, model.trainable_weights)
-
-            with recompute_scope(on):
-                runs[on].append(compile_mode(train_step, mode)(inputs))
-        runs[on].append(([tf.convert_to_tensor(w) for w in model.non_trainable_weights], []))
-    for step, (actual, expected) in enumerate(zip(runs[True], runs[False])):
-        assert_close(actual[0], expected[0], what=f"step {step} outputs")
-        assert_close(actual[1], expected[1], what=f"step {step} gradients")
-    return runs
-
-
-@pytest.mark.parametrize("masked", [False, True], ids=["no mask", "mask_zero"])
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode,masked", [("eager", False)] + [(mode, True) for mode in MODES], ids=str)
 def test_patched_instances_and_masks_match_the_plain_model(K, mode, masked, reproducible):
     reproducible(K, mode)
     runs = on_and_off(K, lambda: text_model(K, masked=masked, patched=True), token_ids(), mode)

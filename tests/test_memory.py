@@ -16,10 +16,10 @@ CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_memory_child.
 ROOT = os.path.dirname(os.path.dirname(CHILD))
 
 
-def peak_bytes(framework, mode, recompute):
+def peak_bytes(framework, mode, recompute, units="decorated"):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run(
-        [sys.executable, CHILD, framework, mode, "1" if recompute else "0"],
+        [sys.executable, CHILD, framework, mode, "1" if recompute else "0", units],
         env=env,
         capture_output=True,
         text=True,
@@ -39,3 +39,14 @@ def test_peak_memory_falls_at_least_twofold(framework, mode):
     ratio = plain / ours
     print(f"{framework} {mode}: plain {plain / 2**20:.0f} MB, recompute {ours / 2**20:.0f} MB, {ratio:.2f}x")
     assert ratio >= 2.0, f"peak fell only {ratio:.2f}x ({plain} -> {ours} bytes)"
+
+
+@pytest.mark.parametrize("framework", ["keras", "tf_keras"])
+def test_recompute_model_lowers_the_peak_as_decorating_does(framework):
+    """`recompute_model` on the plain blocks of a functional model: the peak falls as much."""
+    plain = peak_bytes(framework, "function", recompute=False, units="model")
+    model = peak_bytes(framework, "function", recompute=True, units="model")
+    decorated = peak_bytes(framework, "function", recompute=True)
+    print(f"{framework}: plain {plain / 2**20:.0f} MB, recompute_model {model / 2**20:.0f} MB, decorated {decorated / 2**20:.0f} MB")
+    assert plain / model >= 2.0
+    assert model <= decorated * 1.1

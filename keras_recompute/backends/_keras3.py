@@ -298,3 +298,130 @@ class _SetAutocast:
         from keras.src.backend.common import global_state
 
         global_state.set_global_attribute("autocast_scope", self._previous)
+
+
+# NOTE [ a functional graph's pieces ]
+# `recompute_model(segments=...)` runs a functional model's graph piece by
+# piece, each piece one recomputed call. Keras runs a functional graph in
+# `Function._run_through_graph`: nodes by decreasing depth, each filled in
+# from a map of reference tensor ids to values. The pieces are contiguous runs
+# of that same order; `install_pieces` sets an instance attribute that runs
+# them instead, so the model's class, config and saved file do not change.
+
+
+def functional_of(model):
+    """The `Functional` that runs `model`'s graph (a Sequential's inner one), or None."""
+    from keras.src.models.functional import Functional
+    from keras.src.models.sequential import Sequential
+
+    if isinstance(model, Sequential):
+        return model._functional
+    if isinstance(model, Functional):
+        return model
+    return None
+
+
+def graph_nodes(functional):
+    """The graph's nodes in Keras's execution order, as `(layer, input ids, output ids, node)`."""
+    nodes = []
+    for depth in sorted(functional._nodes_by_depth, reverse=True):
+        for node in functional._nodes_by_depth[depth]:
+            if node.operation is None or node.is_input:
+                continue
+            operation = functional._get_operation_for_node(node) if hasattr(functional, "_get_operation_for_node") else node.operation
+            nodes.append((operation, [id(x) for x in node.input_tensors], [id(x) for x in node.outputs], node))
+    return nodes
+
+
+def graph_ends(functional):
+    """`(input ids, output ids, float tensor ids)` of the graph."""
+    tensors = list(functional.inputs) + list(functional.outputs)
+    for depth in functional._nodes_by_depth.values():
+        for node in depth:
+            tensors.extend(node.outputs)
+    floats = {id(x) for x in tensors if "float" in str(getattr(x, "dtype", ""))}
+    return [id(x) for x in functional.inputs], [id(x) for x in functional.outputs], floats
+
+
+_SEGMENT = []
+
+
+def segment(functional, nodes, input_ids, output_ids, name):
+    """A layer holding one piece of the graph; its `run` computes the piece.
+
+    The layer tracks the piece's layers, so a recompute of `run` finds their
+    state as it finds a block's (see NOTE [ the call's context ]); the model
+    does not track it, so it is neither saved nor in `model.layers`.
+    """
+    if not _SEGMENT:
+        import keras
+        from keras import tree
+
+        class Segment(keras.layers.Layer):
+            def __init__(self, functional, nodes, input_ids, output_ids, **kwargs):
+                super().__init__(**kwargs)
+                self.segment_layers = _distinct(node[0] for node in nodes)
+                # Not tracked: the model is not a sub-layer of its piece.
+                object.__setattr__(self, "_piece", (functional, nodes, list(input_ids), list(output_ids)))
+                self.built = True
+
+            def run(self, *values, operation_fn=None):
+                """The piece's output values from its input values (in `input_ids` order)."""
+                functional, nodes, input_ids, output_ids = self._piece
+                computed = dict(zip(input_ids, values))
+                for operation, node_inputs, node_outputs, node in nodes:
+                    if any(i not in computed for i in node_inputs):
+                        continue  # not computable, as Keras skips it
+                    args, kwargs = node.arguments.fill_in(computed)
+                    outputs = (operation_fn or (lambda op: op))(operation)(*args, **kwargs)
+                    computed.update(zip(node_outputs, tree.flatten(outputs)))
+                return [computed[i] for i in output_ids]
+
+        _SEGMENT.append(Segment)
+    return _SEGMENT[0](functional, nodes, input_ids, output_ids, name=name)
+
+
+def install_pieces(functional, pieces, active):
+    """Makes `functional` run its graph as `pieces`: `(run, input ids, output ids)` each.
+
+    `active()` says, when the model is called, whether the pieces run at all:
+    when it is false, Keras's own `_run_through_graph` runs (recompute off is
+    the plain model). Returns a function that takes the pieces out again.
+    """
+    from keras import tree
+
+    original = type(functional)._run_through_graph.__get__(functional)
+    input_ids = [id(x) for x in functional.inputs]
+    output_ids = [id(x) for x in functional.outputs]
+
+    def run_through_graph(inputs, operation_fn=lambda op: op, call_fn=None):
+        if call_fn is not None or not active():
+            return original(inputs, operation_fn, call_fn)
+        computed = dict(zip(input_ids, tree.flatten(inputs)))
+        for run, piece_inputs, piece_outputs in pieces:
+            if any(i not in computed for i in piece_inputs):
+                return original(inputs, operation_fn, call_fn)  # a graph Keras runs partly
+            computed.update(zip(piece_outputs, run(*[computed[i] for i in piece_inputs], operation_fn=operation_fn)))
+        return tree.pack_sequence_as(functional._outputs_struct, [computed[i] for i in output_ids])
+
+    functional._run_through_graph = run_through_graph
+
+    def uninstall():
+        if functional.__dict__.get("_run_through_graph") is run_through_graph:
+            del functional.__dict__["_run_through_graph"]
+
+    return uninstall
+
+
+def children(layer):
+    """A layer's direct sub-layers, in the order it tracks them."""
+    return list(getattr(layer, "_layers", ()))
+
+
+def _distinct(items):
+    seen, result = set(), []
+    for item in items:
+        if id(item) not in seen:
+            seen.add(id(item))
+            result.append(item)
+    return result

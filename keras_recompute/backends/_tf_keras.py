@@ -384,3 +384,141 @@ def capture(owner, name):
     if not loaded():
         return None
     return CallState(owner, name)
+
+
+# NOTE [ a functional graph's pieces ] (see `_keras3`): tf_keras runs a
+# functional graph in `Functional._run_internal_graph`, nodes by decreasing
+# depth, each filled in from a map of reference tensor ids (as strings) to
+# lists of values that each use pops; `training` reaches the layers through
+# the call context.
+
+
+def functional_of(model):
+    """`model` if it runs a functional graph (a built Sequential does too), else None."""
+    return model if getattr(model, "_is_graph_network", False) else None
+
+
+def graph_nodes(functional):
+    """The graph's nodes in tf_keras's execution order, as `(layer, input ids, output ids, node)`."""
+    nodes = []
+    for depth in sorted(functional._nodes_by_depth, reverse=True):
+        for node in functional._nodes_by_depth[depth]:
+            if node.is_input:
+                continue
+            nodes.append((node.layer, list(node.flat_input_ids), list(node.flat_output_ids), node))
+    return nodes
+
+
+def graph_ends(functional):
+    """`(input ids, output ids, float tensor ids)` of the graph."""
+    tensors = list(functional.inputs) + list(functional.outputs)
+    for depth in functional._nodes_by_depth.values():
+        for node in depth:
+            tensors.extend(tf.nest.flatten(node.outputs))
+    floats = {str(id(x)) for x in tensors if getattr(getattr(x, "dtype", None), "is_floating", False)}
+    return [str(id(x)) for x in functional.inputs], [str(id(x)) for x in functional.outputs], floats
+
+
+_SEGMENT = []
+
+
+def segment(functional, nodes, input_ids, output_ids, name):
+    """A layer holding one piece of the graph; its `run` computes the piece (see `_keras3.segment`)."""
+    if not _SEGMENT:
+        import tf_keras
+
+        class Segment(tf_keras.layers.Layer):
+            def __init__(self, functional, nodes, input_ids, output_ids, **kwargs):
+                super().__init__(**kwargs)
+                layers, seen = [], set()
+                for node in nodes:
+                    if id(node[0]) not in seen:
+                        seen.add(id(node[0]))
+                        layers.append(node[0])
+                self.segment_layers = layers
+                object.__setattr__(self, "_piece", (nodes, list(input_ids), list(output_ids)))
+                self.built = True
+
+            def run(self, *values):
+                """The piece's output values from its input values (in `input_ids` order)."""
+                nodes, input_ids, output_ids = self._piece
+                computed = dict(zip(input_ids, values))
+                for layer, node_inputs, node_outputs, node in nodes:
+                    if any(i not in computed for i in node_inputs):
+                        continue  # not computable, as tf_keras skips it
+                    # `map_arguments` pops one value per use of a tensor.
+                    args, kwargs = node.map_arguments({i: [computed[i]] * node_inputs.count(i) for i in node_inputs})
+                    computed.update(zip(node_outputs, tf.nest.flatten(layer(*args, **kwargs))))
+                return [computed[i] for i in output_ids]
+
+        _SEGMENT.append(Segment)
+    return _SEGMENT[0](functional, nodes, input_ids, output_ids, name=name)
+
+
+def install_pieces(functional, pieces, active):
+    """Makes `functional` run its graph as `pieces`; see `_keras3.install_pieces`."""
+    original = type(functional)._run_internal_graph.__get__(functional)
+    output_ids = [str(id(x)) for x in functional.outputs]
+
+    def run_internal_graph(inputs, training=None, mask=None):
+        if not active():
+            return original(inputs, training=training, mask=mask)
+        flat = functional._flatten_to_reference_inputs(inputs)
+        masks = [None] * len(flat) if mask is None else functional._flatten_to_reference_inputs(mask)
+        for value, value_mask in zip(flat, masks):
+            if value is not None:
+                value._keras_mask = value_mask
+        computed = {
+            str(id(x)): functional._conform_to_reference_input(y, ref_input=x) for x, y in zip(functional.inputs, flat)
+        }
+        for run, piece_inputs, piece_outputs in pieces:
+            if any(i not in computed for i in piece_inputs):
+                return original(inputs, training=training, mask=mask)  # a graph tf_keras runs partly
+            computed.update(zip(piece_outputs, run(*[computed[i] for i in piece_inputs])))
+        return tf.nest.pack_sequence_as(functional._nested_outputs, [computed[i] for i in output_ids])
+
+    object.__setattr__(functional, "_run_internal_graph", run_internal_graph)
+
+    def uninstall():
+        if functional.__dict__.get("_run_internal_graph") is run_internal_graph:
+            del functional.__dict__["_run_internal_graph"]
+
+    return uninstall
+
+
+def children(layer):
+    """A layer's direct sub-layers, in the order it tracks them."""
+    return list(layer._flatten_layers(include_self=False, recursive=False))
+
+
+def _in_tf1_graph(model):
+    return not tf.compat.v1.executing_eagerly_outside_functions() and getattr(model, "_is_graph_network", False)
+
+
+def check_plannable(model):
+    """Raises `RecomputeError` if a plan for `model` could not take effect (a compiled TF1-style model)."""
+    if _in_tf1_graph(model) and getattr(model, "_is_compiled", False):
+        raise RecomputeError(
+            f"keras_recompute: {model.name!r} is compiled in a TF1-style graph, where compile builds the "
+            "training graph from the model's outputs: call recompute_model before model.compile."
+        )
+
+
+def rebuild_graph_outputs(model):
+    """In a TF1-style graph, rebuilds a functional model's outputs so that its plan takes effect.
+
+    tf_keras's v1 `compile` and `fit` train the output tensors built when the
+    model was made, not a new call of it: the outputs are made again by
+    running the graph (with recompute on, as the switch is read when a graph
+    is built), and put back by the returned function. Elsewhere nothing
+    needs doing, and None is returned.
+    """
+    if not _in_tf1_graph(model):
+        return None
+    original = model.outputs
+    model.outputs = tf.nest.flatten(model._run_internal_graph(model.inputs))
+
+    def undo():
+        model.outputs = original
+
+    return undo

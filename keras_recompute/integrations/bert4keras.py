@@ -86,6 +86,28 @@ def enable(layers=LAYERS):
     return patched
 
 
+def remove_theirs():
+    """Puts the plain `call` back where bert4keras's own recompute wrapped it.
+
+    bert4keras reads `RECOMPUTE` at its import and, when it is on, wraps its
+    layers in its own recompute (see NOTE [ bert4keras's own recompute ]).
+    `recompute_model` calls this before recomputing a bert4keras model.
+
+    Returns:
+        The names of the classes put back; empty if bert4keras is not imported
+        or its recompute is off.
+    """
+    module = sys.modules.get("bert4keras.layers")
+    if module is None:
+        return []
+    removed = []
+    for name, cls in vars(module).items():
+        if isinstance(cls, type) and _is_theirs(vars(cls).get("call")):
+            cls.call = _undecorated(vars(cls)["call"])
+            removed.append(name)
+    return removed
+
+
 def _is_theirs(call):
     return getattr(call, "__qualname__", "") == "recompute_grad.<locals>.inner" and bool(call.__closure__)
 

@@ -1,0 +1,141 @@
+"""What the benchmarks share: peak memory on each backend, child processes, the largest-batch search.
+
+Memory, by where the program runs:
+  * TensorFlow (Keras 3 or tf_keras), CPU or GPU: the allocator's peak,
+    `tf.config.experimental.get_memory_info(device)["peak"]`; on the CPU it
+    needs `TF_CPU_ALLOCATOR_USE_BFC=1` before TensorFlow starts (`run` sets it).
+  * JAX and PyTorch on a GPU: `memory_stats()["peak_bytes_in_use"]`,
+    `torch.cuda.max_memory_allocated()`.
+  * JAX and PyTorch on the CPU, which keep no allocator statistics: the
+    process's peak RSS (`VmHWM`) with `MALLOC_MMAP_THRESHOLD_=131072`, so that
+    freed buffers leave the RSS; `measured` subtracts the peak of the same
+    program on one row (weights, optimizer, compiled code). On JAX, XLA's
+    buffer assignment for the compiled step is exact as well (`xla_temp_bytes`).
+Each configuration runs in a fresh process: peaks never mix.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MAX_BATCH = 1 << 14  # where the largest-batch search stops doubling
+
+
+def reset_peak(backend):
+    """In a child: forgets the peak so far (call after the first, compiling step)."""
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        tf.config.experimental.reset_memory_stats(_tf_device())
+    elif backend == "torch":
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+
+
+def peak(backend):
+    """In a child: the allocator's peak in bytes since `reset_peak`, or None where there is none."""
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        return tf.config.experimental.get_memory_info(_tf_device())["peak"]
+    if backend == "torch":
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated()
+        return None
+    import jax
+
+    device = jax.devices()[0]
+    return None if device.platform == "cpu" else device.memory_stats()["peak_bytes_in_use"]
+
+
+def xla_temp_bytes(model, inputs, labels):
+    """JAX: the temporary buffers XLA assigns to a Keras model's compiled training step, in bytes.
+
+    Every activation, gradient and workspace of the step lives in them, so on
+    a CPU without allocator statistics this is the program's own peak, exact
+    and the same on every run (the RSS also counts the runtime around it).
+    Call after one `train_on_batch` (the model and optimizer are built).
+    """
+    import jax
+
+    state = (
+        [v.value for v in model.trainable_variables],
+        [v.value for v in model.non_trainable_variables],
+        [v.value for v in model.optimizer.variables],
+        [v.value for v in model.metrics_variables],
+    )
+    compiled = jax.jit(model.train_step).lower(state, (inputs, labels)).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def rss_peak():
+    """In a child: its peak resident memory in bytes (`VmHWM`)."""
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) * 1024
+
+
+def _tf_device():
+    import tensorflow as tf
+
+    return "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
+
+
+def run(script, arguments, backend, low_mmap_threshold=False, extra_env=None):
+    """Runs `script` with `arguments` in a fresh process; returns its last JSON line, or `{"error": ...}`.
+
+    `low_mmap_threshold` sets `MALLOC_MMAP_THRESHOLD_=131072` (for the RSS
+    figure; it slows allocation, so time steps in a child without it).
+    """
+    env = dict(
+        os.environ,
+        KERAS_BACKEND=backend,
+        TF_CPU_ALLOCATOR_USE_BFC="1",
+        TF_CPP_MIN_LOG_LEVEL="3",
+        PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
+    )
+    env.update(extra_env or {})
+    if low_mmap_threshold:
+        env["MALLOC_MMAP_THRESHOLD_"] = "131072"
+    done = subprocess.run([sys.executable, script, *map(str, arguments)], env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
+        message = next((line for line in reversed(lines) if "Error" in line or "error" in line), lines[-1] if lines else "")
+        return {"error": message.strip()[:160] or f"exit {done.returncode}"}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def measured(script, arguments, backend, one_row_arguments):
+    """A child's record, with `peak`: the allocator's, or on a CPU without one the activations' RSS.
+
+    `one_row_arguments`: the same program on one row, the RSS baseline.
+    """
+    record = run(script, arguments, backend)
+    if "error" in record or record.get("peak") is not None:
+        return record
+    full = run(script, arguments, backend, low_mmap_threshold=True)
+    baseline = run(script, one_row_arguments, backend, low_mmap_threshold=True)
+    for other in (full, baseline):
+        if "error" in other:
+            return other
+    record["peak"] = full["rss"] - baseline["rss"]
+    record["peak_kind"] = "activations (RSS)"
+    return record
+
+
+def largest_batch(fits, limit=MAX_BATCH):
+    """The largest batch for which `fits(batch)` is true: doubling, then bisection."""
+    low, high = 0, 1
+    while high <= limit and fits(high):
+        low, high = high, high * 2
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low

@@ -1,0 +1,478 @@
+"""`recompute_model`: choose what to recompute in a model, and hand it to `recompute_grad`.
+
+NOTE [ units of a model ]
+A unit is what one `recompute_grad` call recomputes. It is either a layer
+of the model (a transformer block, found by class, name, predicate, or as the
+model's repeated blocks), whose instance's `call` is decorated; or a piece of
+a functional model's graph between two tensors that separate it, run as one
+call of a small holder layer (NOTE [ a functional graph's pieces ] in
+`backends/_keras3.py`). Either way the model's classes, config and weights are
+untouched: another model built from the same classes does not recompute, and
+`model.save` writes the plain model. The plan lives in one attribute of the
+model; applying another first takes the earlier one off, so nothing is ever
+wrapped twice.
+
+A tensor separates the graph when every path from the inputs to the outputs
+goes through it, as the residual stream between two blocks does: cut there,
+the pieces before and after share that one tensor and the model's inputs.
+We look for it in Keras's execution order: between two consecutive nodes,
+the float tensors made before and used after, the model's inputs aside (they
+are kept by the caller anyway). Where exactly one crosses, the graph may be
+cut. Integer and boolean tensors (ids, masks) may cross too: they are
+constants of a recompute and take no gradient.
+"""
+
+import math
+import sys
+import warnings
+
+from keras_recompute import _config, _context
+from keras_recompute._decorator import recompute_grad
+
+POLICIES = ("full",)
+
+# Attributes of keras-hub backbones that list their repeated blocks.
+_BLOCK_LISTS = ("transformer_layers", "encoder_transformer_layers", "decoder_transformer_layers")
+
+_PLAN = "_keras_recompute_plan"
+
+
+def recompute_model(model, blocks="auto", *, segments=None, limit=None, policy="full", enabled=None):
+    """Recomputes units of an existing model in the backward pass, without editing its classes.
+
+    The model is changed in place: each chosen unit runs as one
+    `recompute_grad` call, with every guarantee of it (dropout masks,
+    BatchNorm updated once, mixed precision, masks, every gradient equal to
+    the plain model's). Calling it again replaces the earlier choice.
+
+    Args:
+        model: a Keras 3 or tf_keras model (or layer).
+        blocks: which units recompute. `"auto"`: the model's repeated blocks
+            (a keras-hub backbone's `transformer_layers`; else the longest run
+            of consecutive layers of one class; else, in a functional model,
+            the pieces between tensors that separate its graph). Or a layer
+            class or tuple of classes, a list of layer names, or a predicate
+            `layer -> bool`; nested layers are found too, and a layer inside a
+            chosen one is not chosen again.
+        segments: instead of `blocks`, cut a functional or Sequential model's
+            graph into this many pieces at tensors that separate it, each
+            recomputed as one unit; `"sqrt"` for about the square root of the
+            number of layers (Chen et al. 2016).
+        limit: only the first `limit` units recompute; the rest keep their
+            activations (the least recompute that fits, as Megatron's
+            "block" method).
+        policy: what a unit keeps: `"full"` recomputes all of it.
+        enabled: `None` follows `RECOMPUTE` and `recompute_scope` when the
+            model runs; `True` or `False` fixes the choice.
+
+    Returns:
+        `model` itself.
+
+    Raises:
+        ValueError: for an unknown policy or layer name, a `segments` or
+            `limit` that is not a valid count, `segments` on a model without
+            a graph to cut, or a model where `"auto"` finds no units.
+        TypeError: if `model` is not a Keras layer, or `enabled` not a bool.
+
+    Example:
+
+    ```python
+    backbone = keras_hub.models.GemmaBackbone.from_preset("gemma_2b_en")
+    keras_recompute.recompute_model(backbone)               # each decoder block
+    keras_recompute.recompute_model(model, segments="sqrt")  # a functional model's graph
+    ```
+    """
+    _check_options(model, blocks, segments, limit, policy, enabled)
+    framework = _framework(model)
+    # Everything that can fail comes first: a bad choice leaves the earlier plan in place.
+    getattr(framework, "check_plannable", lambda model: None)(model)
+    units = None if segments is not None else _choose_blocks(model, framework, blocks)
+    count = _segment_count(model, framework, segments) if segments is not None else None
+    _remove_bert4keras_recompute()
+    unrecompute_model(model)
+    if units is None:
+        plan = _pieces_plan(model, framework, count, limit, enabled)
+    else:
+        plan = _Plan([_patch_call(layer, enabled) for layer in units[:limit]], [layer.name for layer in units[:limit]])
+    undo_rebuild = getattr(framework, "rebuild_graph_outputs", lambda model: None)(model)
+    if undo_rebuild is not None:
+        plan.after(undo_rebuild)
+    object.__setattr__(model, _PLAN, plan)
+    return model
+
+
+def unrecompute_model(model):
+    """Takes off what `recompute_model` put on `model`; the model runs as before it."""
+    plan = model.__dict__.get(_PLAN)
+    if plan is not None:
+        plan.undo()
+        del model.__dict__[_PLAN]
+    return model
+
+
+def recomputed_units(model):
+    """The names of the units `recompute_model` chose for `model`, in order (empty if none)."""
+    plan = model.__dict__.get(_PLAN)
+    return list(plan.names) if plan is not None else []
+
+
+class _Plan:
+    """What `recompute_model` did to one model, and how to undo it.
+
+    Deliberately not a list: Keras's saving walks a model's attributes and
+    would save the weights of layers found in a list a second time.
+    """
+
+    def __init__(self, undos, names):
+        self._undos = undos
+        self.names = tuple(names)
+
+    def after(self, undo):
+        """Adds a step undone first (it was done last)."""
+        self._undos.append(undo)
+
+    def undo(self):
+        for undo in reversed(self._undos):
+            undo()
+        self._undos = []
+
+
+def _remove_bert4keras_recompute():
+    """bert4keras's own recompute, on when `RECOMPUTE` was set at its import, gives wrong
+    gradients (NOTE [ bert4keras's own recompute ] in integrations/bert4keras.py): it goes."""
+    if "bert4keras.layers" not in sys.modules:
+        return
+    from keras_recompute.integrations import bert4keras
+
+    removed = bert4keras.remove_theirs()
+    if removed:
+        warnings.warn(
+            "keras_recompute: bert4keras's own recompute was on (RECOMPUTE was set when bert4keras was "
+            f"imported) and is now taken off {removed}: it doubles the gradient of a tensor passed twice "
+            "(self-attention), and inside recompute_model's units it would recompute twice.",
+            stacklevel=3,
+        )
+
+
+def _check_options(model, blocks, segments, limit, policy, enabled):
+    if policy not in POLICIES:
+        raise ValueError(
+            f"keras_recompute: recompute_model(policy=...) got {policy!r}; valid policies are {list(POLICIES)}."
+        )
+    if enabled is not None and not isinstance(enabled, bool):
+        raise TypeError(
+            "keras_recompute: recompute_model(enabled=...) takes True, False or None; "
+            f"received {enabled!r} of type {type(enabled).__name__}."
+        )
+    if segments is not None:
+        if segments != "sqrt" and (not isinstance(segments, int) or isinstance(segments, bool) or segments < 1):
+            raise ValueError(
+                f"keras_recompute: recompute_model(segments=...) takes a positive int or 'sqrt'; received {segments!r}."
+            )
+        if not (isinstance(blocks, str) and blocks == "auto"):
+            raise ValueError(
+                "keras_recompute: recompute_model takes blocks= or segments=, not both: blocks chooses "
+                "layers as units, segments cuts the graph into pieces."
+            )
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 0):
+        raise ValueError(f"keras_recompute: recompute_model(limit=...) takes an int >= 0 or None; received {limit!r}.")
+    if not _context.is_layer(model):
+        raise TypeError(
+            f"keras_recompute: recompute_model takes a Keras 3 or tf_keras model; received {model!r} "
+            f"of type {type(model).__name__}."
+        )
+
+
+def _framework(model):
+    from keras_recompute.backends import _keras3
+
+    if _keras3.is_layer(model):
+        return _keras3
+    from keras_recompute.backends import _tf_keras
+
+    return _tf_keras
+
+
+# Choosing layers as units.
+
+
+def _choose_blocks(model, framework, blocks):
+    """The layers that recompute, in order; None for "auto" on a graph with no repeated layers."""
+    if isinstance(blocks, str) and blocks == "auto":
+        return _auto_blocks(model, framework)
+    if isinstance(blocks, type) or (isinstance(blocks, tuple) and blocks and all(isinstance(b, type) for b in blocks)):
+        return _outermost(model, framework, lambda layer: isinstance(layer, blocks), f"instances of {_names_of(blocks)}")
+    if isinstance(blocks, (list, tuple)) and blocks and all(isinstance(b, str) for b in blocks):
+        return _by_names(model, framework, list(blocks))
+    if callable(blocks):
+        return _outermost(model, framework, lambda layer: bool(blocks(layer)), "layers the predicate accepts")
+    raise ValueError(
+        "keras_recompute: recompute_model(blocks=...) takes 'auto', a layer class or tuple of classes, "
+        f"a list of layer names, or a predicate layer -> bool; received {blocks!r}."
+    )
+
+
+def _layers_in_order(model, framework):
+    """Every layer under `model` (not itself), parents before children, in tracking order."""
+    ordered, seen = [], {id(model)}
+
+    def visit(layer):
+        for child in framework.children(layer):
+            if id(child) not in seen:
+                seen.add(id(child))
+                ordered.append(child)
+                visit(child)
+
+    visit(model)
+    return ordered
+
+
+def _outermost(model, framework, accept, description):
+    """The accepted layers that are not inside another accepted one."""
+    chosen, inside = [], set()
+    for layer in _layers_in_order(model, framework):
+        if id(layer) in inside:
+            continue
+        if accept(layer):
+            chosen.append(layer)
+            inside.update(id(sub) for sub in _layers_in_order(layer, framework))
+    if not chosen:
+        raise ValueError(
+            f"keras_recompute: recompute_model found no {description} in {model.name!r}. Pass blocks= "
+            "with a class, layer names or a predicate that matches its blocks."
+        )
+    return chosen
+
+
+def _by_names(model, framework, names):
+    by_name = {}
+    for layer in _layers_in_order(model, framework):
+        by_name.setdefault(layer.name, layer)
+    unknown = [name for name in names if name not in by_name]
+    if unknown:
+        raise ValueError(
+            f"keras_recompute: recompute_model(blocks=...) names layers {unknown} that {model.name!r} does not "
+            f"have. Its layers include {sorted(by_name)[:20]}."
+        )
+    return [by_name[name] for name in names]
+
+
+def _auto_blocks(model, framework):
+    """A keras-hub backbone's blocks; else the longest run of one class; else None (a graph's pieces)."""
+    for layer in [model] + _layers_in_order(model, framework):
+        for attribute in _BLOCK_LISTS:
+            listed = getattr(layer, attribute, None)
+            if isinstance(listed, (list, tuple)) and listed and all(_context.is_layer(x) for x in listed):
+                return [x for name in _BLOCK_LISTS for x in (getattr(layer, name, None) or ())]
+    run = _longest_run(model, framework)
+    if run:
+        return run
+    if framework.functional_of(model) is not None:
+        return None
+    raise ValueError(
+        f"keras_recompute: recompute_model(blocks='auto') found no repeated blocks in {model.name!r} "
+        f"({type(model).__name__}): no keras-hub `transformer_layers`, no run of two or more "
+        "consecutive layers of one class with weights, and no functional graph to cut. Pass blocks= "
+        "(a layer class, layer names or a predicate), or segments= for a functional model."
+    )
+
+
+def _longest_run(model, framework):
+    """The longest run of consecutive sub-layers of one class, with weights, in `model` or a model in it.
+
+    Blocks are children of a model (a keras-hub task's backbone is a model in
+    a model), not of a layer: the query, key and value projections inside an
+    attention layer are not blocks. In a functional graph the run must also
+    be a chain (each layer's output the next one's input), so that two
+    embeddings side by side are not blocks either.
+    """
+    best = []
+    for parent in [model] + [layer for layer in _layers_in_order(model, framework) if _is_model(layer)]:
+        feeds = _feeds(parent, framework)
+        run = []
+        for layer in framework.children(parent):
+            chained = run and type(layer) is type(run[-1]) and (feeds is None or (id(run[-1]), id(layer)) in feeds)
+            run = run + [layer] if chained else [layer]
+            if len(run) > len(best) and len(run) >= 2 and all(x.weights for x in run):
+                best = list(run)
+    return best
+
+
+def _is_model(layer):
+    return all(hasattr(layer, attribute) for attribute in ("compile", "fit", "layers"))
+
+
+def _feeds(parent, framework):
+    """`{(id(a), id(b))}` where layer a's output is an input of layer b; None without a graph."""
+    functional = framework.functional_of(parent) if parent is not None else None
+    if functional is None:
+        return None
+    producer = {}
+    pairs = set()
+    for layer, input_ids, output_ids, _ in framework.graph_nodes(functional):
+        for tensor in output_ids:
+            producer[tensor] = layer
+        for tensor in input_ids:
+            if tensor in producer:
+                pairs.add((id(producer[tensor]), id(layer)))
+    return pairs
+
+
+def _patch_call(layer, enabled):
+    """Decorates one instance's `call`; returns how to undo it."""
+    had_own = "call" in layer.__dict__
+    previous = layer.__dict__.get("call")
+    wrapped = recompute_grad(layer.call, enabled=enabled)
+    object.__setattr__(layer, "call", wrapped)
+
+    def undo():
+        if layer.__dict__.get("call") is wrapped:
+            if had_own:
+                object.__setattr__(layer, "call", previous)
+            else:
+                del layer.__dict__["call"]
+
+    return undo
+
+
+def _names_of(classes):
+    classes = classes if isinstance(classes, tuple) else (classes,)
+    return ", ".join(cls.__name__ for cls in classes)
+
+
+# Cutting a graph into pieces.
+
+
+def _segment_count(model, framework, segments):
+    functional = framework.functional_of(model)
+    if functional is None:
+        raise ValueError(
+            f"keras_recompute: recompute_model(segments=...) cuts the graph of a functional or Sequential "
+            f"model; {model.name!r} ({type(model).__name__}) has no graph to cut (a subclassed model, or a "
+            "Sequential model not built yet). Pass blocks= (a layer class, layer names or a predicate) to "
+            "choose its units."
+        )
+    if segments == "sqrt":
+        return max(1, round(math.sqrt(len(framework.graph_nodes(functional)))))
+    return segments
+
+
+def _pieces_plan(model, framework, count, limit, enabled):
+    """Cuts the graph into `count` pieces (None: at every separating tensor) and installs them."""
+    functional = framework.functional_of(model)
+    nodes = framework.graph_nodes(functional)
+    input_ids, output_ids, floats = framework.graph_ends(functional)
+    cuts = _separating_cuts(nodes, input_ids, output_ids, floats)
+    if count is None:
+        units = _repeated_blocks(nodes, cuts) or _between_weights(nodes, cuts)
+    else:
+        bounds = [0] + _even_cuts(cuts, len(nodes), count) + [len(nodes)]
+        units = [(start, end) for start, end in zip(bounds, bounds[1:]) if end > start]
+    units = units[:limit]
+    recomputed = {start for start, _ in units}
+    bounds = sorted({0, len(nodes)} | {b for unit in units for b in unit})
+    pieces, names = [], []
+    for index, (start, end) in enumerate(zip(bounds, bounds[1:])):
+        piece_nodes = nodes[start:end]
+        piece_inputs, piece_outputs = _piece_ends(nodes, start, end, input_ids, output_ids)
+        holder = framework.segment(functional, piece_nodes, piece_inputs, piece_outputs, f"{model.name}_piece_{index}")
+        run = recompute_grad(holder.run, enabled=enabled) if start in recomputed else holder.run
+        pieces.append((run, piece_inputs, piece_outputs))
+        if start in recomputed:
+            names.append(f"{piece_nodes[0][0].name} .. {piece_nodes[-1][0].name}")
+    uninstall = framework.install_pieces(functional, pieces, lambda: _config.is_enabled() if enabled is None else enabled)
+    return _Plan([uninstall], names)
+
+
+def _separating_cuts(nodes, input_ids, output_ids, floats):
+    """Positions `b` (cut before node `b`) where exactly one float tensor, not an input, crosses."""
+    made_at = {}
+    last_use = {}
+    for position, (_, node_inputs, node_outputs, _) in enumerate(nodes):
+        for tensor in node_outputs:
+            made_at.setdefault(tensor, position)
+        for tensor in node_inputs:
+            last_use[tensor] = position
+    for tensor in output_ids:
+        last_use[tensor] = len(nodes)
+    inputs = set(input_ids)
+    # Each float tensor made by a node crosses the boundaries after its maker, up to its last use.
+    crossing = [0] * (len(nodes) + 1)
+    for tensor, made in made_at.items():
+        if tensor in floats and tensor not in inputs and tensor in last_use:
+            for boundary in range(made + 1, last_use[tensor] + 1):
+                crossing[boundary] += 1
+    return [b for b in range(1, len(nodes)) if crossing[b] <= 1]
+
+
+def _repeated_blocks(nodes, cuts):
+    """The repeated blocks of a graph, as node ranges: None if nothing repeats.
+
+    The graph is cut at every separating tensor; each piece is described by
+    the classes of its layers. A transformer's pieces repeat with a period
+    (attention part, norm, feed-forward part, norm in a post-norm BERT built
+    from separate layers, as bert4keras builds it): the period repeated most
+    often is the block, and each repetition is one unit. Layers before and
+    after the repeated region (embeddings, a head) are not units.
+    """
+    bounds = [0] + cuts + [len(nodes)]
+    pieces = list(zip(bounds, bounds[1:]))
+    kinds = [tuple(type(layer).__name__ for layer, _, _, _ in nodes[start:end]) for start, end in pieces]
+    best = None  # (repeats, -period, first piece)
+    for period in range(1, len(pieces) // 2 + 1):
+        first = 0
+        while first + period < len(pieces):
+            last = first
+            while last + period < len(pieces) and kinds[last] == kinds[last + period]:
+                last += 1
+            repeats = (last - first) // period + 1
+            if repeats >= 2 and (best is None or (repeats, -period) > best[:2]):
+                best = (repeats, -period, first)
+            first = max(last, first + 1)
+    if best is None:
+        return None
+    repeats, period, first = best[0], -best[1], best[2]
+    blocks = [(pieces[first + i * period][0], pieces[first + (i + 1) * period - 1][1]) for i in range(repeats)]
+    if not all(any(layer.weights for layer, _, _, _ in nodes[start:end]) for start, end in blocks):
+        return None
+    return blocks
+
+
+def _between_weights(nodes, cuts):
+    """Pieces that each start at a layer with weights and take the weightless layers after it."""
+    kept, start = [], 0
+    for cut in cuts:
+        if nodes[cut][0].weights and any(layer.weights for layer, _, _, _ in nodes[start:cut]):
+            kept.append(cut)
+            start = cut
+    bounds = [0] + kept + [len(nodes)]
+    return [(start, end) for start, end in zip(bounds, bounds[1:]) if end > start]
+
+
+def _even_cuts(cuts, count_nodes, count):
+    """`count - 1` of the separating cuts, as near as they can be to even spacing."""
+    chosen = []
+    for index in range(1, count):
+        target = index * count_nodes / count
+        candidates = [c for c in cuts if c not in chosen and (not chosen or c > chosen[-1])]
+        if not candidates:
+            break
+        chosen.append(min(candidates, key=lambda c: abs(c - target)))
+    return sorted(set(chosen))
+
+
+def _piece_ends(nodes, start, end, input_ids, output_ids):
+    """The tensors a piece takes from before it, and those it hands on (or the model outputs)."""
+    made_inside = {t for _, _, node_outputs, _ in nodes[start:end] for t in node_outputs}
+    made_before = set(input_ids) | {t for _, _, node_outputs, _ in nodes[:start] for t in node_outputs}
+    used_after = set(output_ids) | {t for _, node_inputs, _, _ in nodes[end:] for t in node_inputs}
+    piece_inputs, piece_outputs = [], []
+    for _, node_inputs, node_outputs, _ in nodes[start:end]:
+        for tensor in node_inputs:
+            if tensor in made_before and tensor not in piece_inputs:
+                piece_inputs.append(tensor)
+        for tensor in node_outputs:
+            if tensor in used_after and tensor not in piece_outputs:
+                piece_outputs.append(tensor)
+    assert all(t in made_inside for t in piece_outputs)
+    return piece_inputs, piece_outputs

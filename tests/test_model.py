@@ -1,0 +1,396 @@
+"""`recompute_model`: recompute a model without editing its classes (Keras 3, every backend).
+
+Every way of choosing units (`"auto"`, a class, names, a predicate,
+`segments=`, `limit=`) is compared with the plain model (`compare_on_and_off`:
+outputs, every gradient, state after the steps), and proven to recompute what
+it chose and nothing else: on TensorFlow and PyTorch the chosen units' `call`
+runs twice in a step and every other layer's once; on JAX, which traces a call
+once, each recomputed gelu adds one `erfc` to the program of the step.
+"""
+
+import collections
+import contextlib
+import functools
+import json
+import os
+
+import keras
+import numpy as np
+import pytest
+from keras import layers
+
+from _keras3_twins import BACKEND, FAST_MODE, MODES, compare_on_and_off, step_program
+from keras_recompute import _model, recompute_model, recompute_scope
+
+X = np.random.RandomState(0).standard_normal((8, 16)).astype("float32")
+
+
+def train_call(model, xs):
+    return model(xs[0], training=True)
+
+
+class Block(layers.Layer):
+    """A residual feed-forward block with dropout and BatchNorm: one gelu (one `erfc`) per call."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.up = layers.Dense(32, activation="gelu")
+        self.dropout = layers.Dropout(0.3, seed=1)
+        self.down = layers.Dense(16)
+        self.norm = layers.BatchNormalization()
+
+    def call(self, inputs, training=None):
+        return self.norm(inputs + self.down(self.dropout(self.up(inputs), training=training)), training=training)
+
+
+class Stack(keras.Model):
+    """A subclassed model: its blocks are a list attribute."""
+
+    def __init__(self, count=3, **kwargs):
+        super().__init__(**kwargs)
+        self.stem = layers.Dense(16)
+        self.stack = [Block(name=f"block_{i}") for i in range(count)]
+        self.head = layers.Dense(3)
+
+    def call(self, inputs, training=None):
+        hidden = self.stem(inputs)
+        for block in self.stack:
+            hidden = block(hidden, training=training)
+        return self.head(hidden)
+
+
+def functional_blocks(count=3):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16,))
+    hidden = layers.Dense(16, name="stem")(inputs)
+    for i in range(count):
+        hidden = Block(name=f"block_{i}")(hidden)
+    return keras.Model(inputs, layers.Dense(3, name="head")(hidden))
+
+
+def dense_chain(count=4):
+    """No block layers: Dense(gelu) and Dropout, repeated, in a functional graph."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16,))
+    hidden = inputs
+    for i in range(count):
+        hidden = layers.Dense(16, activation="gelu", name=f"dense_{i}")(hidden)
+        hidden = layers.Dropout(0.2, seed=i, name=f"dropout_{i}")(hidden)
+    return keras.Model(inputs, layers.Dense(3, name="head")(hidden))
+
+
+def subclassed_stack():
+    keras.utils.set_random_seed(0)
+    model = Stack()
+    model(X)
+    return model
+
+
+@contextlib.contextmanager
+def counted_calls(*classes):
+    """Counts, per layer name, how often each instance of `classes` runs its `call`."""
+    counts = collections.Counter()
+    originals = {cls: cls.__dict__["call"] for cls in classes}
+    for cls, original in originals.items():
+
+        @functools.wraps(original)
+        def counted(self, *args, _original=original, **kwargs):
+            counts[self.name] += 1
+            return _original(self, *args, **kwargs)
+
+        cls.call = counted
+    try:
+        yield counts
+    finally:
+        for cls, original in originals.items():
+            cls.call = original
+
+
+def assert_recomputes(make_model, apply, recomputed, others, counted=(Block,), gelus=None):
+    """`apply(model)` recomputes the layers named in `recomputed`, and not those in `others`.
+
+    TensorFlow and PyTorch count each layer's calls in one eager training
+    step; JAX counts the `erfc`s (gelus) of the step's program (`gelus`: how
+    many are recomputed, when `recomputed` does not say).
+    """
+    if BACKEND == "jax":
+        plain = step_program(make_model(), [X], train_call).count(" erfc ")
+        model = make_model()
+        apply(model)
+        with recompute_scope(True):
+            program = step_program(model, [X], train_call)
+        assert program.count(" erfc ") - plain == (len(recomputed) if gelus is None else gelus)
+        return
+    with counted_calls(*counted) as counts:
+        model = make_model()
+        apply(model)
+        counts.clear()
+        with recompute_scope(True):
+            from _keras3_twins import loss_and_gradients
+
+            loss_and_gradients(model, [X], "eager", train_call)
+    assert {name: counts[name] for name in recomputed} == {name: 2 for name in recomputed}, counts
+    assert {name: counts[name] for name in others} == {name: 1 for name in others}, counts
+
+
+MODELS = {"functional": functional_blocks, "subclassed": subclassed_stack}
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+@pytest.mark.parametrize("mode", MODES)
+def test_auto_recomputes_the_repeated_blocks(mode, kind):
+    model = MODELS[kind]()
+    recompute_model(model)
+    assert _model.recomputed_units(model) == ["block_0", "block_1", "block_2"]
+    compare_on_and_off(model, [X], mode, train_call, steps=2)
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_auto_recomputes_each_block_once_more(kind):
+    assert_recomputes(MODELS[kind], recompute_model, ["block_0", "block_1", "block_2"], [])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_auto_cuts_a_graph_without_block_layers_into_its_repeats(mode):
+    """A functional graph of Dense and Dropout: each Dense with its Dropout is a block; the head is not."""
+    model = dense_chain()
+    recompute_model(model)
+    assert _model.recomputed_units(model) == [f"dense_{i} .. dropout_{i}" for i in range(4)]
+    compare_on_and_off(model, [X], mode, train_call, steps=2)
+
+
+def test_auto_pieces_recompute_their_layers_once_more():
+    def apply(model):
+        recompute_model(model)
+
+    assert_recomputes(dense_chain, apply, [f"dense_{i}" for i in range(4)], ["head"], counted=(layers.Dense,))
+
+
+ALL_BLOCKS = ["block_0", "block_1", "block_2"]
+
+
+@pytest.mark.parametrize(
+    "blocks,expected",
+    [
+        (Block, ALL_BLOCKS),
+        ((Block, layers.Embedding), ALL_BLOCKS),
+        (["block_0", "block_2"], ["block_0", "block_2"]),
+        (lambda layer: layer.name in ("block_0", "block_2"), ["block_0", "block_2"]),
+    ],
+    ids=["class", "classes", "names", "predicate"],
+)
+def test_blocks_by_class_name_or_predicate(blocks, expected):
+    model = functional_blocks()
+    recompute_model(model, blocks=blocks)
+    assert _model.recomputed_units(model) == expected
+    compare_on_and_off(model, [X], FAST_MODE, train_call)
+    others = [name for name in ALL_BLOCKS if name not in expected]
+    assert_recomputes(functional_blocks, lambda m: recompute_model(m, blocks=blocks), expected, others)
+
+
+def test_nested_layers_are_found_and_not_chosen_twice():
+    """Blocks inside a model inside a model; a Dense inside a chosen block is not chosen again."""
+    keras.utils.set_random_seed(0)
+    inner = functional_blocks()
+    inputs = keras.Input((16,))
+    model = keras.Model(inputs, layers.Dense(2, name="outer_head")(inner(inputs)))
+    recompute_model(model)  # auto: the run of blocks inside `inner`
+    assert _model.recomputed_units(model) == ["block_0", "block_1", "block_2"]
+    recompute_model(model, blocks=lambda layer: isinstance(layer, (Block, layers.Dense)))
+    assert _model.recomputed_units(model) == ["stem", "block_0", "block_1", "block_2", "head", "outer_head"]
+    compare_on_and_off(model, [X], FAST_MODE, train_call)
+
+
+@pytest.mark.parametrize("segments", [1, 3, "sqrt"])
+def test_segments_cut_the_graph(segments):
+    model = dense_chain()
+    recompute_model(model, segments=segments)
+    expected = {1: 1, 3: 3, "sqrt": 3}[segments]  # 9 layers: about sqrt(9) pieces
+    assert len(_model.recomputed_units(model)) == expected, _model.recomputed_units(model)
+    compare_on_and_off(model, [X], FAST_MODE, train_call, steps=2)
+    every = [f"dense_{i}" for i in range(4)] + ["head"]
+    assert_recomputes(dense_chain, lambda m: recompute_model(m, segments=segments), every, [], counted=(layers.Dense,), gelus=4)
+
+
+def test_segments_under_mixed_precision():
+    """Each piece recomputes under the forward's autocast: weights read in bfloat16 as the forward read them."""
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    try:
+        model = dense_chain()
+        recompute_model(model, segments=2)
+        compare_on_and_off(model, [X], FAST_MODE, train_call, rtol=1e-2)
+    finally:
+        keras.config.set_dtype_policy("float32")
+
+
+def test_segments_of_a_sequential_model():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((16,))] + [layers.Dense(16, activation="gelu") for _ in range(4)] + [layers.Dense(3)])
+    recompute_model(model, segments=2)
+    assert len(_model.recomputed_units(model)) == 2
+    compare_on_and_off(model, [X], FAST_MODE, train_call)
+
+
+def test_limit_recomputes_the_first_units_only():
+    def apply(model):
+        recompute_model(model, limit=2)
+
+    model = functional_blocks()
+    apply(model)
+    assert _model.recomputed_units(model) == ["block_0", "block_1"]
+    compare_on_and_off(model, [X], FAST_MODE, train_call)
+    assert_recomputes(functional_blocks, apply, ["block_0", "block_1"], ["block_2"])
+
+
+def test_applying_again_replaces_the_plan():
+    def apply_twice(model):
+        recompute_model(model)
+        recompute_model(model)  # the same plan again: never wrapped twice
+        recompute_model(model, limit=1)  # another plan replaces it
+
+    model = functional_blocks()
+    apply_twice(model)
+    assert _model.recomputed_units(model) == ["block_0"]
+    assert_recomputes(functional_blocks, apply_twice, ["block_0"], ["block_1", "block_2"])
+    _model.unrecompute_model(model)
+    assert _model.recomputed_units(model) == [] and all("call" not in layer.__dict__ for layer in model.layers)
+
+
+def test_the_switch_decides_when_the_model_runs(monkeypatch):
+    """`enabled=None` follows RECOMPUTE when the model runs; True or False fix it."""
+    if BACKEND == "jax":
+        pytest.skip("counts Python calls; JAX's proof is the program's erfc count")
+    for enabled, switch, expected in ((None, "0", 1), (None, "1", 2), (False, "1", 1), (True, "0", 2)):
+        monkeypatch.setenv("RECOMPUTE", switch)
+        with counted_calls(Block) as counts:
+            model = functional_blocks()
+            recompute_model(model, enabled=enabled)
+            counts.clear()
+            from _keras3_twins import loss_and_gradients
+
+            loss_and_gradients(model, [X], "eager", train_call)
+        assert counts["block_1"] == expected, (enabled, switch, counts)
+
+
+def test_fit_save_and_load(tmp_path):
+    """`fit` gives the plain losses (a padding mask included); the saved model is the plain model."""
+    ids = np.random.RandomState(1).randint(0, 30, size=(16, 8))
+    ids[::2, 6:] = 0
+    labels = np.random.RandomState(2).randint(0, 3, size=16)
+
+    def model_for():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((8,), dtype="int32")
+        hidden = layers.Embedding(30, 16, mask_zero=True)(inputs)
+        for i in range(2):
+            hidden = layers.MultiHeadAttention(2, 8, name=f"attention_{i}")(hidden, hidden)
+            hidden = layers.Dense(16, activation="gelu", name=f"dense_{i}")(hidden)
+        model = keras.Model(inputs, layers.Dense(3)(layers.GlobalAveragePooling1D()(hidden)))
+        model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    losses = {}
+    for on in (False, True):
+        model = model_for()
+        config = model.get_config()
+        if on:
+            recompute_model(model)
+        keras.utils.set_random_seed(3)
+        with recompute_scope(on):
+            losses[on] = model.fit(ids, labels, epochs=3, batch_size=8, shuffle=False, verbose=0).history["loss"]
+    assert _model.recomputed_units(model) == ["attention_0 .. dense_0", "attention_1 .. dense_1"]
+    np.testing.assert_allclose(losses[True], losses[False], rtol=1e-5)
+    path = os.path.join(tmp_path, "model.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    as_json = functools.partial(json.dumps, sort_keys=True, default=str)  # a file makes tuples lists
+    assert model.get_config() == config  # recompute_model changes no config
+    assert as_json(loaded.get_config()) == as_json(config)
+    assert _model.recomputed_units(loaded) == []
+    for saved, kept in zip(loaded.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(saved, kept)
+    np.testing.assert_allclose(loaded.predict(ids, verbose=0), model.predict(ids, verbose=0), rtol=1e-6, atol=1e-6)
+
+
+class NoBlocks(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.first = layers.Dense(8)
+        self.second = layers.Dropout(0.1)
+
+    def call(self, inputs):
+        return self.second(self.first(inputs))
+
+
+@pytest.mark.parametrize(
+    "arguments,error,match",
+    [
+        ({"blocks": ["block_0", "nope"]}, ValueError, r"names layers \['nope'\]"),
+        ({"segments": 0}, ValueError, r"segments=.*positive int or 'sqrt'; received 0"),
+        ({"segments": -2}, ValueError, "positive int or 'sqrt'"),
+        ({"segments": 1.5}, ValueError, "positive int or 'sqrt'"),
+        ({"segments": True}, ValueError, "positive int or 'sqrt'"),
+        ({"segments": 2, "blocks": Block}, ValueError, "not both"),
+        ({"limit": -1}, ValueError, r"limit=.*int >= 0"),
+        ({"policy": "nope"}, ValueError, r"policy=.*'nope'.*\['full'\]"),
+        ({"enabled": "yes"}, TypeError, "True, False or None"),
+        ({"blocks": 3}, ValueError, "a layer class or tuple of classes, a list of layer names, or a predicate"),
+        ({"blocks": layers.Embedding}, ValueError, "found no instances of Embedding"),
+    ],
+)
+def test_bad_arguments_say_what_and_how(arguments, error, match):
+    with pytest.raises(error, match=match):
+        recompute_model(functional_blocks(), **arguments)
+
+
+def test_a_bad_choice_leaves_the_earlier_plan():
+    model = functional_blocks()
+    recompute_model(model, limit=2)
+    with pytest.raises(ValueError, match="nope"):
+        recompute_model(model, blocks=["nope"])
+    assert _model.recomputed_units(model) == ["block_0", "block_1"]
+
+
+def test_segments_of_a_subclassed_model_suggest_blocks():
+    with pytest.raises(ValueError, match="segments=.*no graph to cut.*blocks="):
+        recompute_model(subclassed_stack(), segments=2)
+
+
+def test_auto_without_blocks_says_what_it_looked_for():
+    model = NoBlocks()
+    model(X)
+    with pytest.raises(ValueError, match="no repeated blocks.*transformer_layers.*blocks=.*segments="):
+        recompute_model(model)
+    with pytest.raises(TypeError, match="Keras 3 or tf_keras model"):
+        recompute_model(object())
+
+
+def _keras_hub_backbone(family, lora):
+    keras_hub = pytest.importorskip("keras_hub")
+    keras.utils.set_random_seed(0)
+    common = dict(vocabulary_size=100, num_layers=2, hidden_dim=32, intermediate_dim=64, dropout=0.1)
+    backbone = {
+        "Gemma": lambda: keras_hub.models.GemmaBackbone(num_query_heads=2, num_key_value_heads=1, head_dim=16, **common),
+        "Llama": lambda: keras_hub.models.LlamaBackbone(num_query_heads=2, num_key_value_heads=1, **common),
+        "GPT2": lambda: keras_hub.models.GPT2Backbone(num_heads=2, max_sequence_length=16, **common),
+    }[family]()
+    if lora:
+        backbone.enable_lora(2)
+    return backbone
+
+
+@pytest.mark.parametrize("family,lora", [("Gemma", True), ("Llama", False), ("GPT2", True)])
+def test_keras_hub_backbones_recompute_their_transformer_layers(family, lora):
+    """Decoder blocks of their own classes, which `integrations.keras_hub` does not know; LoRA too."""
+    backbone = _keras_hub_backbone(family, lora)
+    recompute_model(backbone)
+    assert _model.recomputed_units(backbone) == [layer.name for layer in backbone.transformer_layers]
+    ids = np.random.RandomState(0).randint(1, 100, size=(2, 16)).astype("int32")
+    padding = np.ones((2, 16), "int32")
+    padding[1, 10:] = 0
+    call = lambda m, xs: m({"token_ids": xs[0], "padding_mask": xs[1]}, training=True)  # noqa: E731
+    runs = compare_on_and_off(backbone, [ids, padding], FAST_MODE, call)
+    gradients = dict(zip([v.path for v in backbone.trainable_variables], runs[True][0][1][-len(backbone.trainable_variables) :]))
+    lora_gradients = [path for path in gradients if "lora" in path]
+    assert len(lora_gradients) == (8 if lora else 0)  # A and B of query and value, in 2 blocks
+    assert all(gradients[path] is not None for path in lora_gradients)
