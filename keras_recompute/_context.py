@@ -95,10 +95,6 @@ class CallContext:
         self._masks = masks
         self._trains = None
 
-    @property
-    def has_masks(self):
-        return self._masks is not None
-
     def masks_attached(self, args, kwargs, transform=None):
         """Context manager: the leaves of `(args, kwargs)` carry the masks the call's arguments had.
 
