@@ -2,7 +2,9 @@
 
 Compares, in one run, each configuration in a fresh subprocess:
     none        the plain encoder
-    ours        keras_recompute.recompute_grad on each block's call
+    ours        keras_recompute.recompute_grad on each block's call (policy "full")
+    save_dots   the same with policy="save_dots": the weight matmuls' outputs kept
+    attention_core  the same with policy="attention_core": only attention's core recomputes
     remat       keras.remat around each block's call (the closure keeps
                 `training` a Python bool)
     rematscope  the encoder built inside keras.RematScope(mode="full")
@@ -36,7 +38,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _measure  # noqa: E402
 
-METHODS = ("none", "ours", "remat", "rematscope")
+METHODS = ("none", "ours", "save_dots", "attention_core", "remat", "rematscope")
+POLICIES = {"ours": "full", "save_dots": "save_dots", "attention_core": "attention_core"}
 
 
 def parse_args(argv=None):
@@ -95,13 +98,13 @@ def build_model(args, method):
             return inputs + self.positions
 
     class OursBlock(EncoderBlock):
-        call = recompute_grad(EncoderBlock.call)
+        call = recompute_grad(EncoderBlock.call, policy=POLICIES.get(method, "full"))
 
     class RematBlock(EncoderBlock):
         def call(self, inputs, training=None):
             return keras.remat(lambda x: EncoderBlock.call(self, x, training=training))(inputs)
 
-    block = {"ours": OursBlock, "remat": RematBlock}.get(method, EncoderBlock)
+    block = OursBlock if method in POLICIES else {"remat": RematBlock}.get(method, EncoderBlock)
 
     def build():
         ids = keras.Input((args.seq,), dtype="int32")
@@ -129,7 +132,7 @@ def child(args):
     """Trains one configuration; prints a JSON line with its peak and step time."""
     import numpy as np
 
-    os.environ["RECOMPUTE"] = "1" if args.child == "ours" else "0"
+    os.environ["RECOMPUTE"] = "1" if args.child in POLICIES else "0"
     import keras
 
     keras.utils.set_random_seed(0)
@@ -144,7 +147,10 @@ def child(args):
         loss = float(np.asarray(model.train_on_batch(ids, labels)))
         if step >= 2:
             times.append(time.perf_counter() - start)
-    print(json.dumps({"peak": _measure.peak(args.backend), "rss": _measure.rss_peak(), "step": min(times) if times else None, "loss": loss}))
+    record = {"peak": _measure.peak(args.backend), "rss": _measure.rss_peak(), "step": min(times) if times else None, "loss": loss}
+    if args.backend == "jax" and args.steps:
+        record["xla_temp"] = _measure.xla_temp_bytes(model, ids, labels)
+    print(json.dumps(record))
 
 
 def child_arguments(args, method, batch, steps=None):
@@ -183,13 +189,17 @@ def main(argv=None):
         f"dropout {args.dropout}, Adam, fp32"
     )
     memory_name = "peak MB" if platform != "cpu" else "activations MB"
-    print(f"{'method':<11} {memory_name:>15} {'vs none':>8} {'step s':>8} {'vs none':>8}  loss")
+    xla = args.backend == "jax"
+    print(
+        f"{'method':<15} {memory_name:>15} {'vs none':>8} {'step s':>8} {'vs none':>8}  loss"
+        + ("     XLA temp MB  vs none" if xla else "")
+    )
     results = {}
     for method in args.methods:
         record = measure(args, method, args.batch)
         results[method] = record
         if "error" in record:
-            print(f"{method:<11} failed: {record['error']}")
+            print(f"{method:<15} failed: {record['error']}")
             continue
         base = results.get("none")
         memory_ratio = step_ratio = ""
@@ -198,10 +208,14 @@ def main(argv=None):
             if record["peak"] > 2**20 and base["peak"] > 2**20:
                 memory_ratio = f"{base['peak'] / record['peak']:.2f}x"
             step_ratio = f"{record['step'] / base['step']:.2f}x"
-        print(
-            f"{method:<11} {record['peak'] / 2**20:>15.0f} {memory_ratio:>8} {record['step']:>8.3f} "
+        line = (
+            f"{method:<15} {record['peak'] / 2**20:>15.0f} {memory_ratio:>8} {record['step']:>8.3f} "
             f"{step_ratio:>8}  {record['loss']:.4f}"
         )
+        if xla and "xla_temp" in record:
+            temp_ratio = f"{base['xla_temp'] / record['xla_temp']:.2f}x" if base and "xla_temp" in base else ""
+            line += f"  {record['xla_temp'] / 2**20:>12.0f}  {temp_ratio:>7}"
+        print(line, flush=True)
     if args.budget_gib:
         budget = int(args.budget_gib * 2**30)
         batches = {method: largest_batch(args, method, budget) for method in ("none", "ours")}

@@ -16,7 +16,9 @@ Keras 3; graph: a TF1-style graph (`tf.compat.v1`, a Session) with tf_keras.
 
 Methods:
     none        the plain encoder
-    ours        keras_recompute.recompute_grad on each block's call
+    ours        keras_recompute.recompute_grad on each block's call (policy "full")
+    save_dots   the same with policy="save_dots": the weight matmuls' outputs kept
+    attention_core  the same with policy="attention_core": only attention's core recomputes
     tf          tf.recompute_grad around each block's call
     rematscope  the encoder built inside keras.RematScope(mode="full")
 """
@@ -29,7 +31,8 @@ import subprocess
 import sys
 import time
 
-METHODS = ("none", "ours", "tf", "rematscope")
+METHODS = ("none", "ours", "save_dots", "attention_core", "tf", "rematscope")
+POLICIES = {"ours": "full", "save_dots": "save_dots", "attention_core": "attention_core"}
 MODES = ("eager", "function", "jit", "graph")
 
 
@@ -79,7 +82,7 @@ def build_encoder(args, method, keras):
             return self.output_norm(hidden + output)
 
     class OursBlock(EncoderBlock):
-        @recompute_grad(enabled=True)
+        @recompute_grad(enabled=True, policy=POLICIES.get(method, "full"))
         def call(self, inputs, training=None):
             return super().call(inputs, training=training)
 
@@ -88,7 +91,7 @@ def build_encoder(args, method, keras):
             plain_call = super().call
             return tf.recompute_grad(lambda x: plain_call(x, training=training))(inputs)
 
-    block_class = {"ours": OursBlock, "tf": TfBlock}.get(method, EncoderBlock)
+    block_class = OursBlock if method in POLICIES else {"tf": TfBlock}.get(method, EncoderBlock)
 
     def make():
         inputs = keras.Input((args.seq, args.hidden))
@@ -129,6 +132,7 @@ def child(args):
     if mode != "eager":
         step = tf.function(step, jit_compile=(mode == "jit"))
     step(x, y).numpy()  # build, trace, compile
+    resident = tf.config.experimental.get_memory_info("CPU:0")["current"]
     tf.config.experimental.reset_memory_stats("CPU:0")
     times = []
     for _ in range(args.steps):
@@ -136,7 +140,7 @@ def child(args):
         step(x, y).numpy()
         times.append(time.perf_counter() - start)
     peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
-    print(json.dumps({"peak_mb": peak / 2**20, "step_s": min(times)}))
+    print(json.dumps({"peak_mb": peak / 2**20, "step_mb": (peak - resident) / 2**20, "step_s": min(times)}))
 
 
 def graph_child(args, method):
@@ -158,6 +162,7 @@ def graph_child(args, method):
     with tf.compat.v1.Session() as session:
         session.run(tf.compat.v1.global_variables_initializer())
         session.run(train)
+        resident = tf.config.experimental.get_memory_info("CPU:0")["current"]
         tf.config.experimental.reset_memory_stats("CPU:0")
         times = []
         for _ in range(args.steps):
@@ -165,7 +170,7 @@ def graph_child(args, method):
             session.run(train)
             times.append(time.perf_counter() - start)
         peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
-    print(json.dumps({"peak_mb": peak / 2**20, "step_s": min(times)}))
+    print(json.dumps({"peak_mb": peak / 2**20, "step_mb": (peak - resident) / 2**20, "step_s": min(times)}))
 
 
 def run_child(args, method, mode):
@@ -203,7 +208,12 @@ def main():
         f"FFN {args.ffn}, seq {args.seq}, batch {args.batch}, dropout {args.dropout}; "
         f"Adam; fastest of {args.steps} steps after one warm-up step"
     )
-    header = f"{'mode':<9} {'method':<11} {'peak MB':>9} {'step s':>8} {'peak vs none':>13} {'time vs none':>13}"
+    print("step MB: the peak above what lives between steps (weights, optimizer state): activations,")
+    print("gradients and workspace of one step.")
+    header = (
+        f"{'mode':<9} {'method':<15} {'peak MB':>9} {'step MB':>9} {'step s':>8} {'peak vs none':>13} "
+        f"{'step MB vs none':>16} {'time vs none':>13}"
+    )
     print(header)
     print("-" * len(header))
     for mode in args.modes:
@@ -211,17 +221,18 @@ def main():
         for method in args.methods:
             result = run_child(args, method, mode)
             if "error" in result:
-                print(f"{mode:<9} {method:<11} failed: {result['error']}")
+                print(f"{mode:<9} {method:<15} failed: {result['error']}")
                 continue
             if method == "none":
                 base = result
-            peak_ratio = time_ratio = ""
+            peak_ratio = step_ratio = time_ratio = ""
             if base:
                 peak_ratio = f"{base['peak_mb'] / result['peak_mb']:.2f}x lower"
+                step_ratio = f"{base['step_mb'] / result['step_mb']:.2f}x lower"
                 time_ratio = f"{result['step_s'] / base['step_s']:.2f}x"
             print(
-                f"{mode:<9} {method:<11} {result['peak_mb']:>9.0f} {result['step_s']:>8.2f} "
-                f"{peak_ratio:>13} {time_ratio:>13}",
+                f"{mode:<9} {method:<15} {result['peak_mb']:>9.0f} {result['step_mb']:>9.0f} {result['step_s']:>8.2f} "
+                f"{peak_ratio:>13} {step_ratio:>16} {time_ratio:>13}",
                 flush=True,
             )
 

@@ -6,7 +6,7 @@ import inspect
 import sys
 import types
 
-from keras_recompute import _config, _context
+from keras_recompute import _config, _context, _policy
 from keras_recompute._errors import RecomputeError
 
 # Keras passes these to `call` only when its signature accepts them; a
@@ -14,7 +14,7 @@ from keras_recompute._errors import RecomputeError
 _KERAS_CALL_KWARGS = ("training", "mask")
 
 
-def recompute_grad(fn=None, *, enabled=None, check=True):
+def recompute_grad(fn=None, *, enabled=None, check=True, policy="full"):
     """Recomputes a call's activations in the backward pass instead of storing them.
 
     Decorate a Keras `Layer.call` (or any function or callable that runs
@@ -37,6 +37,13 @@ def recompute_grad(fn=None, *, enabled=None, check=True):
             forward's and raises `RecomputeError` if they differ, instead of
             returning the gradient of another function. Their number, shapes
             and dtypes are always compared; `False` skips only the values.
+        policy: how much of the call the forward keeps (NOTE [ policies ] in
+            `_policy`). `"full"` (default): only its inputs; all of it is
+            recomputed. `"save_dots"`: also the outputs of its weight matmuls
+            (Dense, EinsumDense, attention projections); what lies between
+            them is recomputed. `"attention_core"`: the call runs as it is,
+            and only the core of each attention layer in it (scores, softmax,
+            attention dropout, weighted sum) is recomputed.
 
     Returns:
         The decorated function, with `__wrapped__` set to `fn` and the same
@@ -47,6 +54,9 @@ def recompute_grad(fn=None, *, enabled=None, check=True):
     Raises:
         TypeError: if `fn` is not callable, `enabled` is not a bool or None,
             or `check` is not a bool.
+        ValueError: if `policy` is not one of `"full"`, `"save_dots"`,
+            `"attention_core"`; when a call runs under `"attention_core"`
+            with no attention layer in it.
 
     Example:
 
@@ -75,8 +85,9 @@ def recompute_grad(fn=None, *, enabled=None, check=True):
             "keras_recompute: recompute_grad(check=...) takes True or False; "
             f"received {check!r} of type {type(check).__name__}."
         )
+    _policy.check(policy, "recompute_grad")
     if fn is None:
-        return functools.partial(recompute_grad, enabled=enabled, check=check)
+        return functools.partial(recompute_grad, enabled=enabled, check=check, policy=policy)
     if not callable(fn):
         hint = (
             " To fix the choice, write @recompute_grad(enabled=True)."
@@ -105,7 +116,9 @@ def recompute_grad(fn=None, *, enabled=None, check=True):
         for key in dropped:
             kwargs.pop(key, None)
         context = _context.capture(fn, args, kwargs, name)
-        return _dispatch(context, args, kwargs)(fn, args, kwargs, context, check=check)
+        if policy == _policy.ATTENTION_CORE:
+            return _with_cores_recomputed(fn, args, kwargs, context, check)
+        return _dispatch(context, args, kwargs)(fn, args, kwargs, context, check=check, policy=policy)
 
     if signature is not None:
         # tf_keras reads a call's arguments with getfullargspec, which ignores
@@ -128,6 +141,16 @@ def _undecorated(fn):
             fn = types.MethodType(fn.__func__.__wrapped__, fn.__self__)
         else:
             return fn
+
+
+def _with_cores_recomputed(fn, args, kwargs, context, check):
+    """The call as it is, its attention layers' cores recomputed (NOTE [ policies ])."""
+    owner = context.owner
+    layers = _policy.attention_layers(owner, _context.children) if _context.is_layer(owner) else []
+    if not layers:
+        raise ValueError(_policy.no_attention_message([context.name]))
+    with _policy.cores_recomputed(layers, recompute_grad, check):
+        return fn(*args, **kwargs)
 
 
 def _kwargs_to_drop(signature):

@@ -26,10 +26,8 @@ import math
 import sys
 import warnings
 
-from keras_recompute import _config, _context
+from keras_recompute import _config, _context, _policy
 from keras_recompute._decorator import recompute_grad
-
-POLICIES = ("full",)
 
 # Attributes of keras-hub backbones that list their repeated blocks.
 _BLOCK_LISTS = ("transformer_layers", "encoder_transformer_layers", "decoder_transformer_layers")
@@ -61,7 +59,11 @@ def recompute_model(model, blocks="auto", *, segments=None, limit=None, policy="
         limit: only the first `limit` units recompute; the rest keep their
             activations (the least recompute that fits, as Megatron's
             "block" method).
-        policy: what a unit keeps: `"full"` recomputes all of it.
+        policy: what a unit keeps (NOTE [ policies ] in `_policy`).
+            `"full"` (default): only its inputs. `"save_dots"`: also the
+            outputs of its weight matmuls. `"attention_core"`: everything
+            but the core of its attention layers (scores, softmax, attention
+            dropout, weighted sum), which alone recomputes.
         enabled: `None` follows `RECOMPUTE` and `recompute_scope` when the
             model runs; `True` or `False` fixes the choice.
 
@@ -71,7 +73,8 @@ def recompute_model(model, blocks="auto", *, segments=None, limit=None, policy="
     Raises:
         ValueError: for an unknown policy or layer name, a `segments` or
             `limit` that is not a valid count, `segments` on a model without
-            a graph to cut, or a model where `"auto"` finds no units.
+            a graph to cut, a model where `"auto"` finds no units, or
+            `"attention_core"` on units without an attention layer.
         TypeError: if `model` is not a Keras layer, or `enabled` not a bool.
 
     Example:
@@ -87,13 +90,16 @@ def recompute_model(model, blocks="auto", *, segments=None, limit=None, policy="
     # Everything that can fail comes first: a bad choice leaves the earlier plan in place.
     getattr(framework, "check_plannable", lambda model: None)(model)
     units = None if segments is not None else _choose_blocks(model, framework, blocks)
+    if units is not None and policy == _policy.ATTENTION_CORE:
+        _check_attention(units[:limit], framework)
     count = _segment_count(model, framework, segments) if segments is not None else None
     _remove_bert4keras_recompute()
     unrecompute_model(model)
     if units is None:
-        plan = _pieces_plan(model, framework, count, limit, enabled)
+        plan = _pieces_plan(model, framework, count, limit, enabled, policy)
     else:
-        plan = _Plan([_patch_call(layer, enabled) for layer in units[:limit]], [layer.name for layer in units[:limit]])
+        undos = [_patch_call(layer, enabled, policy) for layer in units[:limit]]
+        plan = _Plan(undos, [layer.name for layer in units[:limit]])
     undo_rebuild = getattr(framework, "rebuild_graph_outputs", lambda model: None)(model)
     if undo_rebuild is not None:
         plan.after(undo_rebuild)
@@ -155,10 +161,7 @@ def _remove_bert4keras_recompute():
 
 
 def _check_options(model, blocks, segments, limit, policy, enabled):
-    if policy not in POLICIES:
-        raise ValueError(
-            f"keras_recompute: recompute_model(policy=...) got {policy!r}; valid policies are {list(POLICIES)}."
-        )
+    _policy.check(policy, "recompute_model")
     if enabled is not None and not isinstance(enabled, bool):
         raise TypeError(
             "keras_recompute: recompute_model(enabled=...) takes True, False or None; "
@@ -318,11 +321,17 @@ def _feeds(parent, framework):
     return pairs
 
 
-def _patch_call(layer, enabled):
+def _check_attention(units, framework):
+    without = [unit.name for unit in units if not _policy.attention_layers(unit, framework.children)]
+    if without:
+        raise ValueError(_policy.no_attention_message(without))
+
+
+def _patch_call(layer, enabled, policy):
     """Decorates one instance's `call`; returns how to undo it."""
     had_own = "call" in layer.__dict__
     previous = layer.__dict__.get("call")
-    wrapped = recompute_grad(layer.call, enabled=enabled)
+    wrapped = recompute_grad(layer.call, enabled=enabled, policy=policy)
     object.__setattr__(layer, "call", wrapped)
 
     def undo():
@@ -357,7 +366,7 @@ def _segment_count(model, framework, segments):
     return segments
 
 
-def _pieces_plan(model, framework, count, limit, enabled):
+def _pieces_plan(model, framework, count, limit, enabled, policy):
     """Cuts the graph into `count` pieces (None: at every separating tensor) and installs them."""
     functional = framework.functional_of(model)
     nodes = framework.graph_nodes(functional)
@@ -370,13 +379,21 @@ def _pieces_plan(model, framework, count, limit, enabled):
         units = [(start, end) for start, end in zip(bounds, bounds[1:]) if end > start]
     units = units[:limit]
     recomputed = {start for start, _ in units}
+    if policy == _policy.ATTENTION_CORE:
+        without = [
+            f"{nodes[start][0].name} .. {nodes[end - 1][0].name}"
+            for start, end in units
+            if not any(_policy.attention_layers(layer, framework.children) for layer, _, _, _ in nodes[start:end])
+        ]
+        if without:
+            raise ValueError(_policy.no_attention_message(without))
     bounds = sorted({0, len(nodes)} | {b for unit in units for b in unit})
     pieces, names = [], []
     for index, (start, end) in enumerate(zip(bounds, bounds[1:])):
         piece_nodes = nodes[start:end]
         piece_inputs, piece_outputs = _piece_ends(nodes, start, end, input_ids, output_ids)
         holder = framework.segment(functional, piece_nodes, piece_inputs, piece_outputs, f"{model.name}_piece_{index}")
-        run = recompute_grad(holder.run, enabled=enabled) if start in recomputed else holder.run
+        run = recompute_grad(holder.run, enabled=enabled, policy=policy) if start in recomputed else holder.run
         pieces.append((run, piece_inputs, piece_outputs))
         if start in recomputed:
             names.append(f"{piece_nodes[0][0].name} .. {piece_nodes[-1][0].name}")

@@ -238,6 +238,46 @@ def case_model():
     return report
 
 
+def case_policy():
+    """`recompute_model(policy=...)` on attention blocks in a TF1 graph: the plain losses, and each peak."""
+    from keras_recompute import recompute_model
+
+    class Attention(K.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            # tf_keras's attention dropout takes no seed: the twins would draw other masks.
+            self.attention = K.layers.MultiHeadAttention(4, 16)
+            self.norm = K.layers.LayerNormalization()
+            self.up = K.layers.Dense(256, activation="gelu")
+            self.dropout = K.layers.Dropout(0.2, seed=3)
+            self.down = K.layers.Dense(64)
+
+        def call(self, inputs, training=None):
+            hidden = self.norm(inputs + self.attention(inputs, inputs, training=training))
+            return hidden + self.down(self.dropout(self.up(hidden), training=training))
+
+    random = np.random.RandomState(0)
+    x, y = random.normal(size=(4, 128, 64)).astype("float32"), random.normal(size=(4, 128, 4)).astype("float32")
+    report = {}
+    for policy in ("none", "full", "save_dots", "attention_core"):
+        K.backend.clear_session()
+        K.utils.set_random_seed(0)
+        inputs = K.Input((128, 64))
+        hidden = inputs
+        for i in range(8):
+            hidden = Attention(name=f"block_{i}")(hidden, training=True)
+        model = K.Model(inputs, K.layers.Dense(4)(hidden))
+        # Every twin rebuilds its outputs (see case_model); "none" with the switch off.
+        with recompute_scope(policy != "none"):
+            recompute_model(model, policy="full" if policy == "none" else policy)
+        model.compile(optimizer=K.optimizers.legacy.SGD(1e-3), loss="mse")
+        losses = [float(model.train_on_batch(x, y))]
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        losses += [float(model.train_on_batch(x, y)) for _ in range(2)]
+        report[policy] = {"losses": losses, "peak": tf.config.experimental.get_memory_info("CPU:0")["peak"]}
+    return report
+
+
 def case_memory():
     """Peak memory of one training step in a Session, plain and recomputed."""
     peaks = {}

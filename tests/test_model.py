@@ -332,7 +332,7 @@ class NoBlocks(keras.Model):
         ({"segments": True}, ValueError, "positive int or 'sqrt'"),
         ({"segments": 2, "blocks": Block}, ValueError, "not both"),
         ({"limit": -1}, ValueError, r"limit=.*int >= 0"),
-        ({"policy": "nope"}, ValueError, r"policy=.*'nope'.*\['full'\]"),
+        ({"policy": "nope"}, ValueError, r"policy=.*'nope'.*\['full', 'save_dots', 'attention_core'\]"),
         ({"enabled": "yes"}, TypeError, "True, False or None"),
         ({"blocks": 3}, ValueError, "a layer class or tuple of classes, a list of layer names, or a predicate"),
         ({"blocks": layers.Embedding}, ValueError, "found no instances of Embedding"),

@@ -39,6 +39,14 @@ def is_layer(obj):
     return loaded() and isinstance(obj, sys.modules["keras"].Layer)
 
 
+def dense_classes():
+    """Keras 3's layers with a weight matmul (see NOTE [ save_dots on TensorFlow ]), or ()."""
+    if not loaded():
+        return ()
+    keras = sys.modules["keras"]
+    return (keras.layers.Dense, keras.layers.EinsumDense)
+
+
 def backend_name():
     return sys.modules["keras"].config.backend()
 
@@ -280,6 +288,15 @@ def _replay_scope_class():
 
         _REPLAY_SCOPE.append(ReplayScope)
     return _REPLAY_SCOPE[0]
+
+
+def current_autocast():
+    """A context that sets Keras's autocast scope back to the one in effect now (None if no Keras 3)."""
+    if not loaded():
+        return None
+    from keras.src.backend.common import global_state
+
+    return _SetAutocast(global_state.get_global_attribute("autocast_scope"))
 
 
 class _SetAutocast:

@@ -53,6 +53,38 @@ def loaded():
     return "tf_keras" in sys.modules
 
 
+def dense_classes():
+    """tf_keras's layers with a weight matmul (see NOTE [ save_dots on TensorFlow ]), or ()."""
+    if not loaded():
+        return ()
+    from tf_keras.src.layers.core import dense, einsum_dense
+
+    return (dense.Dense, einsum_dense.EinsumDense)
+
+
+def current_autocast():
+    """A context that sets tf_keras's autocast dtype back to the one in effect now (None if no tf_keras)."""
+    if not loaded():
+        return None
+    from tf_keras.src.mixed_precision import autocast_variable
+
+    return _SetAutocastDtype(autocast_variable._autocast_dtype, getattr(autocast_variable._autocast_dtype, "dtype", None))
+
+
+class _SetAutocastDtype:
+    def __init__(self, holder, dtype):
+        self._holder = holder
+        self._dtype = dtype
+
+    def __enter__(self):
+        self._previous = getattr(self._holder, "dtype", None)
+        self._holder.dtype = self._dtype
+
+    def __exit__(self, *exc_info):
+        self._holder.dtype = self._previous
+        return False
+
+
 def _stack():
     stack = getattr(_local, "stack", None)
     if stack is None:

@@ -51,7 +51,7 @@ What else needs care:
 import jax
 import jax.numpy as jnp
 
-from keras_recompute import _context
+from keras_recompute import _context, _policy
 from keras_recompute._errors import RecomputeError
 from keras_recompute.backends import _keras3
 
@@ -60,7 +60,7 @@ def _is_differentiable(value):
     return isinstance(value, jax.Array) and jnp.issubdtype(value.dtype, jnp.inexact)
 
 
-def recompute_call(fn, args, kwargs, context, check=True):
+def recompute_call(fn, args, kwargs, context, check=True, policy="full"):
     """Calls `fn(*args, **kwargs)`, keeping only its arguments for the backward.
 
     Args:
@@ -70,6 +70,8 @@ def recompute_call(fn, args, kwargs, context, check=True):
         context: the call's `CallContext` (its layer, the masks on its arguments).
         check: accepted for every backend; on JAX the recompute replays the
             traced program, so its values cannot differ from the forward's.
+        policy: `"full"`, or `"save_dots"`: the outputs of the weight matmuls
+            are kept (NOTE [ save_dots on JAX ]).
 
     Returns:
         What `fn` returns, with the same structure.
@@ -118,7 +120,7 @@ def recompute_call(fn, args, kwargs, context, check=True):
     # Traces the call (the only time Python runs it); every value it closes
     # over (weights, seeds, masks, outer tracers) becomes an explicit argument.
     closed, shapes = jax.make_jaxpr(pure, return_shape=True)(*[leaves[i] for i in positions])
-    flat = _recompute(closed.jaxpr)(*closed.consts, *[leaves[i] for i in positions])
+    flat = _recompute(closed.jaxpr, policy)(*closed.consts, *[leaves[i] for i in positions])
     arrays, updates, losses, masks = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shapes), flat)
 
     for variable, value in zip(traced["variables"], updates):
@@ -140,8 +142,21 @@ def recompute_call(fn, args, kwargs, context, check=True):
     return jax.tree_util.tree_unflatten(traced["out_def"], out_leaves)
 
 
-def _recompute(jaxpr):
-    """`jaxpr` as a function whose backward pass evaluates it again."""
+def _recompute(jaxpr, policy):
+    """`jaxpr` as a function whose backward pass evaluates it again.
+
+    NOTE [ save_dots on JAX ]
+    Under `"save_dots"` the forward linearizes the program under
+    `jax.checkpoint` with JAX's `dots_with_no_batch_dims_saveable` policy: the
+    residuals of that linearization are the program's arguments and the
+    outputs of its matmuls without batch dimensions (a Dense kernel, an
+    EinsumDense projection; not the scores of attention, which are batched
+    over heads). Those residuals are what the custom VJP keeps. Its backward
+    makes them wait for the incoming gradient, as every recompute here does,
+    and applies the linearization: JAX recomputes what the policy did not
+    save, from the kept matmul outputs, and no matmul of the forward runs
+    again.
+    """
     num_consts = len(jaxpr.constvars)
 
     def run(*args):
@@ -151,16 +166,29 @@ def _recompute(jaxpr):
     def call(*args):
         return run(*args)
 
-    def forward(*args):
+    def waited_seeds(args):
         # The seeds wait for the call's inputs, or every block's dropout bits,
         # which depend on the seeds alone, are drawn at the start of the step.
-        waited = _wait(args[:num_consts], _zero_from(args[num_consts:]), floats=False)
-        return run(*waited, *args[num_consts:]), args
+        return (*_wait(args[:num_consts], _zero_from(args[num_consts:]), floats=False), *args[num_consts:])
 
-    def backward(args, cotangents):
-        args = _wait(args, _zero_from(cotangents))
-        _, vjp = jax.vjp(run, *args)
-        return vjp(cotangents)
+    if policy == _policy.SAVE_DOTS:
+        saving = jax.checkpoint(run, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+
+        def forward(*args):
+            return jax.vjp(saving, *waited_seeds(args))
+
+        def backward(linearized, cotangents):
+            return _wait(linearized, _zero_from(cotangents))(cotangents)
+
+    else:
+
+        def forward(*args):
+            return run(*waited_seeds(args)), args
+
+        def backward(args, cotangents):
+            args = _wait(args, _zero_from(cotangents))
+            _, vjp = jax.vjp(run, *args)
+            return vjp(cotangents)
 
     call.defvjp(forward, backward)
     return call

@@ -32,7 +32,7 @@ import contextlib
 
 import tensorflow as tf
 
-from keras_recompute import _context
+from keras_recompute import _context, _policy
 from keras_recompute._errors import RecomputeError
 from keras_recompute.backends import _keras3, _tf_keras
 from keras_recompute.backends._tf_private import stop_recording
@@ -42,7 +42,7 @@ def _is_differentiable(value):
     return isinstance(value, tf.Tensor) and value.dtype.is_floating
 
 
-def recompute_call(fn, args, kwargs, context, check=True):
+def recompute_call(fn, args, kwargs, context, check=True, policy="full"):
     """Calls `fn(*args, **kwargs)`, keeping only its inputs for the backward.
 
     Args:
@@ -52,6 +52,9 @@ def recompute_call(fn, args, kwargs, context, check=True):
         context: the call's `CallContext` (its layer, masks, trainable variables).
         check: compare the recompute's outputs with the forward's and raise
             `RecomputeError` when they differ (see NOTE [ the recompute check ]).
+        policy: `"full"`, or `"save_dots"`: the outputs of the weight
+            matmuls of the Dense and EinsumDense layers in the call are kept
+            (NOTE [ save_dots on TensorFlow ]).
 
     Returns:
         What `fn` returns, with the same structure.
@@ -87,6 +90,7 @@ def recompute_call(fn, args, kwargs, context, check=True):
     keras_state = _keras3.capture(owner, tf.convert_to_tensor, forward_wait)
     legacy_state = None if _keras3.is_layer(owner) else _tf_keras.capture(owner, name)
     loss_lists = _keras3.loss_lists(owner) or _tf_keras.loss_lists(owner)
+    dots = _KeptDots(owner, name, context.trains) if policy == _policy.SAVE_DOTS else None
     # Filled by the forward: the output structure, and its non-float leaves,
     # which leave the custom gradient by this side door.
     forward = {}
@@ -95,7 +99,8 @@ def recompute_call(fn, args, kwargs, context, check=True):
     def checkpointed(*inputs):
         loss_counts = [len(losses) for losses in loss_lists]
         with stop_recording(), (legacy_state.forward() if legacy_state else contextlib.nullcontext()):
-            outputs = call_with(inputs)
+            with dots.recording() if dots else contextlib.nullcontext():
+                outputs = call_with(inputs)
         out_leaves = tf.nest.flatten(outputs)
         out_positions = [i for i, leaf in enumerate(out_leaves) if _is_differentiable(leaf)]
         heads = [_Head.of(out_leaves[i]) for i in out_positions]
@@ -125,7 +130,8 @@ def recompute_call(fn, args, kwargs, context, check=True):
                 keras_replay = _keras3.replay(state, owner)
                 legacy_replay = legacy_state and legacy_state.replay()
                 with keras_replay, (legacy_replay or contextlib.nullcontext()):
-                    replayed = call_with(replay_inputs, constants, wait)
+                    with dots.replaying(wait) if dots else contextlib.nullcontext():
+                        replayed = call_with(replay_inputs, constants, wait)
             replayed_heads, checks = expected.compare(tf.nest.flatten(replayed), name)
             replayed_losses = [
                 loss
@@ -164,6 +170,155 @@ def recompute_call(fn, args, kwargs, context, check=True):
     return tf.nest.pack_sequence_as(forward["outputs"], out_leaves)
 
 
+class _KeptDots:
+    """The outputs of a call's weight matmuls, kept by its forward and handed to its recompute.
+
+    NOTE [ save_dots on TensorFlow ]
+    TensorFlow has no policy for what a tape saves, so the weight matmuls are
+    found as layers: the Dense and EinsumDense layers under the call's layer
+    (Keras 3 and tf_keras; attention projections are EinsumDense). In the
+    forward each of them runs its own `call` with its activation taken off,
+    which gives `x @ kernel + bias` whatever the variant (LoRA, int8); that
+    value is kept, and the activation is applied after. In the recompute the
+    same layer returns the activation of a kept op: its value is the kept
+    tensor, and its gradient runs the layer's linear call again under a tape
+    from the recomputed input and differentiates it. In a graph (a
+    `tf.function`, XLA, TF1) the gradient of a matmul needs its inputs, not
+    its output, so the runtime prunes the matmul of that second run and the
+    recompute runs no kernel matmul. In eager mode every op runs as it is
+    called: the matmul runs again in the backward, and `"save_dots"` saves
+    memory but not time there.
+    """
+
+    def __init__(self, owner, name, trains):
+        self._layers = _dense_layers(owner)
+        self._name = name
+        self._trains = trains
+        self._kept = []
+
+    @contextlib.contextmanager
+    def recording(self):
+        del self._kept[:]
+        with contextlib.ExitStack() as stack:
+            for layer in self._layers:
+                stack.enter_context(_context.instance_attribute(layer, "call", self._recorder(layer, layer.call)))
+            yield
+
+    @contextlib.contextmanager
+    def replaying(self, wait):
+        """Within it, the layers hand out the kept outputs, made to `wait` for the incoming gradient."""
+        position = [0]
+        with contextlib.ExitStack() as stack:
+            for layer in self._layers:
+                replayer = self._replayer(layer, layer.call, position, wait)
+                stack.enter_context(_context.instance_attribute(layer, "call", replayer))
+            yield
+        if position[0] != len(self._kept):
+            raise RecomputeError(
+                f"keras_recompute: the recompute of {self._name} ran {position[0]} Dense or EinsumDense "
+                f"calls, its forward {len(self._kept)}. A recomputed call must compute the same "
+                "function of its inputs each time."
+            )
+
+    def _recorder(self, layer, call):
+        def record(inputs, *args, **kwargs):
+            if not _is_differentiable(inputs):
+                return call(inputs, *args, **kwargs)
+            with _linear(layer):
+                kept = call(inputs, *args, **kwargs)
+            self._kept.append(kept)
+            return _activate(layer, kept)
+
+        return record
+
+    def _replayer(self, layer, call, position, wait):
+        def replay(inputs, *args, **kwargs):
+            if not _is_differentiable(inputs):
+                return call(inputs, *args, **kwargs)
+            if position[0] >= len(self._kept):
+                raise RecomputeError(
+                    f"keras_recompute: the recompute of {self._name} ran more Dense or EinsumDense calls "
+                    "than its forward. A recomputed call must compute the same function of its inputs "
+                    "each time."
+                )
+            # Waits like every input of the recompute (NOTE [ ordering the recompute in
+            # graphs ]): else what the recompute computes from it, the attention
+            # scores from the kept query and key, could run during the forward.
+            kept = wait(self._kept[position[0]])
+            position[0] += 1
+            variables = [_tf_variable(v) for v in layer.trainable_weights if self._trains(v)]
+            # The layer's linear call runs again in the kept op's gradient, outside the
+            # layer's `__call__` (in a TF1 graph, `__call__` there would open a session):
+            # it gets the autocast state this call has, so it reads its kernel cast alike.
+            autocasts = [a for a in (_keras3.current_autocast(), _tf_keras.current_autocast()) if a is not None]
+
+            def linear(x):
+                with _linear(layer), contextlib.ExitStack() as stack:
+                    for autocast in autocasts:
+                        stack.enter_context(autocast)
+                    return call(x, *args, **kwargs)
+
+            return _activate(layer, _kept_matmul(kept, inputs, linear, variables))
+
+        return replay
+
+
+def _dense_layers(owner):
+    """The Dense and EinsumDense layers under `owner` (not itself), Keras 3's or tf_keras's."""
+    if not _context.is_layer(owner):
+        return []
+    classes = _keras3.dense_classes() + _tf_keras.dense_classes()
+    found, pending, seen = [], list(_context.children(owner)), set()
+    while pending:
+        layer = pending.pop(0)
+        if id(layer) in seen:
+            continue
+        seen.add(id(layer))
+        if isinstance(layer, classes):
+            found.append(layer)
+        pending.extend(_context.children(layer))
+    return found
+
+
+@contextlib.contextmanager
+def _linear(layer):
+    """Within it, `layer` applies no activation."""
+    with _context.instance_attribute(layer, "activation", None):
+        yield
+
+
+def _activate(layer, value):
+    activation = getattr(layer, "activation", None)
+    return value if activation is None else activation(value)
+
+
+def _tf_variable(variable):
+    """The `tf.Variable` a tape records for a Keras 3 or tf_keras (autocast) variable."""
+    for attribute in ("_value", "_variable"):
+        inner = getattr(variable, attribute, None)
+        if isinstance(inner, tf.Variable):
+            return inner
+    return variable
+
+
+def _kept_matmul(kept, inputs, linear, variables):
+    """`kept`, with the gradient of `linear` at `inputs` (NOTE [ save_dots on TensorFlow ])."""
+
+    @tf.custom_gradient
+    def kept_op(kept, inputs, *reads):
+        def grad(upstream):
+            with tf.GradientTape(watch_accessed_variables=False) as tape:
+                tape.watch(inputs)
+                tape.watch(variables)
+                value = linear(inputs)
+            grads = tape.gradient(value, [inputs] + variables, output_gradients=upstream)
+            return [None] + list(grads)
+
+        return tf.identity(kept), grad
+
+    return kept_op(kept, inputs, *[tf.identity(v) for v in variables])
+
+
 class _Head:
     """How one float output leaves the custom gradient, so that a loss finds its logits.
 
@@ -200,8 +355,9 @@ class _Head:
             return cls(output, logits=attached)
         return cls(output)
 
-    def same_kind(self, other):
-        return self.tail == other.tail and (self.logits is None) == (other.logits is None)
+    def kind(self):
+        """How the output ends (its tail op, whether logits are attached): no tensor, so nothing is kept."""
+        return (self.tail, self.logits is None)
 
     @staticmethod
     def differentiated(heads):
@@ -233,10 +389,20 @@ class _Expected:
     and dtypes of the outputs are compared always, at no cost. With
     `check=True` (the default) the float values are compared too: in eager
     mode in Python, in a `tf.function` by an assert op (XLA drops assert ops,
-    so under `jit_compile=True` only the structure is checked). Keeping the
-    forward's outputs until the backward costs nothing in a chain of blocks,
-    where each output is the next block's saved input. A relative tolerance of
-    1e-3 leaves room for a compiler that fuses the recompute differently.
+    so under `jit_compile=True` only the structure is checked).
+
+    The values are compared by fingerprint, not kept: an output nobody uses
+    after the forward (the B x H x S x S attention scores that a recomputed
+    attention core returns beside its output) would otherwise stay alive
+    until the backward, one per layer, and eat the saving. The fingerprint of
+    an output x, seen as a matrix X of its last axis by the others, is its
+    norm and two projections `u' X v` on fixed pseudo-random vectors u, v
+    in [-1, 1]: a few floats, computed with buffers the size of one row and
+    one column of X. A recompute that differs by D moves a projection by
+    about |D|/3 (random signs), so a redrawn dropout mask or another function
+    is caught unless both projections land within 1e-3 |x| of their old
+    values by chance (probability ~1e-5); rounding differences of a
+    compiler that fuses the recompute otherwise move it by ~1e-6 |x|.
     """
 
     TOLERANCE = 1e-3
@@ -244,9 +410,9 @@ class _Expected:
     def __init__(self, out_leaves, heads, keep_values):
         self.count = len(out_leaves)
         self.positions = [i for i, leaf in enumerate(out_leaves) if _is_differentiable(leaf)]
-        self.heads = heads
+        self.kinds = [head.kind() for head in heads]
         self.specs = [(head.returned.shape, head.returned.dtype) for head in heads]
-        self.values = [head.returned for head in heads] if keep_values else None
+        self.fingerprints = [_fingerprint(head.returned) for head in heads] if keep_values else None
 
     def compare(self, replayed_leaves, name):
         """Raises `RecomputeError` on a difference.
@@ -273,21 +439,20 @@ class _Expected:
                     "compute the same function of its inputs each time (no branches on "
                     "state that the call itself changes)."
                 )
-            if not head.same_kind(self.heads[index]):
+            if head.kind() != self.kinds[index]:
                 raise RecomputeError(
                     f"keras_recompute: the recompute of {name} ended output {index} otherwise "
                     "than its forward (a softmax or sigmoid, or logits attached to it). A "
                     "recomputed call must compute the same function of its inputs each time."
                 )
             heads.append(head)
-        if self.values is None:  # check=False
+        if self.fingerprints is None:  # check=False
             return heads, []
         asserts = []
-        for index, (head, before) in enumerate(zip(heads, self.values)):
-            after = head.returned
-            difference = tf.reduce_max(tf.abs(tf.cast(after, tf.float32) - tf.cast(before, tf.float32)))
-            scale = tf.reduce_max(tf.abs(tf.cast(before, tf.float32)))
-            limit = self.TOLERANCE * scale + 1e-6
+        for index, (head, before) in enumerate(zip(heads, self.fingerprints)):
+            after = _fingerprint(head.returned)
+            difference = tf.reduce_max(tf.abs(after[1:] - before[1:]))
+            limit = self.TOLERANCE * before[0] + 1e-6
             message = (
                 f"keras_recompute: the recompute of {name} gave output {index} values that "
                 "differ from its forward's. A recomputed call must compute the same function "
@@ -297,10 +462,21 @@ class _Expected:
             )
             if tf.executing_eagerly():
                 if not bool(difference <= limit):
-                    raise RecomputeError(message + f" Largest difference: {float(difference):.3g}.")
+                    raise RecomputeError(message + f" Fingerprints differ by {float(difference):.3g}.")
             else:
                 asserts.append(tf.debugging.assert_less_equal(difference, limit, message=message))
         return heads, asserts
+
+
+def _fingerprint(x):
+    """`[norm, projection, projection]` of `x` in float32 (NOTE [ the recompute check ])."""
+    x = tf.cast(x, tf.float32)
+    columns = tf.shape(x)[-1] if x.shape.rank else 1
+    matrix = tf.reshape(x, [-1, columns])
+    left = tf.random.stateless_uniform([tf.shape(matrix)[0], 2], seed=[1234, 5678], minval=-1.0)
+    right = tf.random.stateless_uniform([columns, 2], seed=[8765, 4321], minval=-1.0)
+    projections = tf.reduce_sum(left * tf.matmul(matrix, right), axis=0)
+    return tf.concat([[tf.norm(matrix)], projections], 0)
 
 
 def _same_shape(a, b):

@@ -35,6 +35,7 @@ import contextlib
 import torch
 from torch.utils import checkpoint as torch_checkpoint
 
+from keras_recompute import _policy
 from keras_recompute.backends import _keras3
 
 
@@ -42,7 +43,7 @@ def _snapshot(value):
     return value.detach().clone()
 
 
-def recompute_call(fn, args, kwargs, context, check=True):
+def recompute_call(fn, args, kwargs, context, check=True, policy="full"):
     """Calls `fn(*args, **kwargs)` under `torch.utils.checkpoint`.
 
     Args:
@@ -51,6 +52,8 @@ def recompute_call(fn, args, kwargs, context, check=True):
         kwargs: keyword arguments.
         context: the call's `CallContext` (its layer, the masks on its arguments).
         check: keep torch's determinism check of the recompute.
+        policy: `"full"`, or `"save_dots"`: the outputs of the weight matmuls
+            are kept (NOTE [ save_dots on PyTorch ]).
 
     Returns:
         What `fn` returns.
@@ -72,7 +75,10 @@ def recompute_call(fn, args, kwargs, context, check=True):
             return fn(*call_args, **call_kwargs)
 
     def context_fn():
-        return contextlib.nullcontext(), _Recomputing(recomputing, _keras3.replay(state, owner))
+        forward, recompute = contextlib.nullcontext(), contextlib.nullcontext()
+        if policy == _policy.SAVE_DOTS:
+            forward, recompute = torch_checkpoint.create_selective_checkpoint_contexts(_save_dots)
+        return forward, _Recomputing(recomputing, _keras3.replay(state, owner), recompute)
 
     with torch_checkpoint.set_checkpoint_early_stop(False):
         return torch_checkpoint.checkpoint(
@@ -86,18 +92,45 @@ def recompute_call(fn, args, kwargs, context, check=True):
         )
 
 
-class _Recomputing:
-    """The recompute's context: Keras's replayed state, and a flag `run` reads."""
+# NOTE [ save_dots on PyTorch ]
+# Torch's selective checkpoint keeps the outputs of the ops a policy marks.
+# Ours marks the matmuls without a batch dimension, as JAX's
+# `dots_with_no_batch_dims_saveable`: a Dense kernel's `mm`/`addmm`, and the
+# `bmm` of batch 1 that `einsum` makes of an EinsumDense projection. The
+# scores of attention are a `bmm` over batch and heads (or a fused attention
+# op): recomputed.
+_MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
 
-    def __init__(self, flag, replay):
-        self._flag = flag
-        self._replay = replay
+
+def _save_dots(ctx, op, *args, **kwargs):
+    del ctx, kwargs
+    keep = op in _MATMULS or (op is torch.ops.aten.bmm.default and args[0].shape[0] == 1)
+    return torch_checkpoint.CheckpointPolicy.MUST_SAVE if keep else torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class _Recomputing:
+    """The recompute's context: Keras's replayed state, a flag `run` reads, and torch's own."""
+
+    def __init__(self, flag, replay, torch_context):
+        self._stack = contextlib.ExitStack()
+        self._contexts = (replay, _Flag(flag), torch_context)
 
     def __enter__(self):
-        self._replay.__enter__()
-        self._flag.append(True)
+        for context in self._contexts:
+            self._stack.enter_context(context)
         return self
 
     def __exit__(self, *exc_info):
+        return self._stack.__exit__(*exc_info)
+
+
+class _Flag:
+    def __init__(self, flag):
+        self._flag = flag
+
+    def __enter__(self):
+        self._flag.append(True)
+
+    def __exit__(self, *exc_info):
         self._flag.pop()
-        return self._replay.__exit__(*exc_info)
+        return False

@@ -1,0 +1,138 @@
+"""Policies: how much of a unit its forward keeps. The names and their checks live here;
+each backend's mechanism for `"save_dots"` lives in that backend's file.
+
+NOTE [ policies ]
+`"full"` keeps a unit's inputs and recomputes all of it. The other two keep
+more and recompute less; each costs memory where it saves time:
+  * `"save_dots"` keeps the outputs of the unit's weight matmuls (Dense,
+    EinsumDense, attention projections: a matmul or einsum with a weight and
+    no batch dimension, as JAX's `dots_with_no_batch_dims_saveable`) and
+    recomputes what lies between them: attention scores, softmax, dropout,
+    activations, norms, adds. The matmuls are most of the time of a
+    transformer block and a few of its activations; what lies between them is
+    the opposite.
+  * `"attention_core"` recomputes only the core of each attention layer in the
+    unit: scores, mask, softmax, attention dropout and the weighted sum
+    (Korthikanti et al. 2022, Megatron-LM's selective recompute). It is a
+    choice of *what* to recompute, not a mechanism: the unit runs as the plain
+    call, and each attention layer's core method is recomputed as a unit of
+    its own with `"full"`, on every backend's usual path.
+An attention layer is a layer with a `_compute_attention` method (Keras's and
+tf_keras's `MultiHeadAttention` and their subclasses, keras-hub's attention
+layers of every family) or with `pay_attention_to` (bert4keras).
+"""
+
+import contextlib
+import inspect
+import types
+
+from keras_recompute import _context
+
+FULL = "full"
+SAVE_DOTS = "save_dots"
+ATTENTION_CORE = "attention_core"
+POLICIES = (FULL, SAVE_DOTS, ATTENTION_CORE)
+
+# The method that computes an attention layer's core, by the library that names it so.
+_CORE_METHODS = ("_compute_attention", "pay_attention_to")
+
+
+def check(policy, where):
+    """Raises ValueError unless `policy` names a policy; `where` names the function it was passed to."""
+    if not (isinstance(policy, str) and policy in POLICIES):
+        raise ValueError(
+            f"keras_recompute: {where}(policy=...) got {policy!r}; valid policies are {list(POLICIES)}."
+        )
+
+
+def core_method(layer):
+    """The name of `layer`'s attention-core method, or None if it is not an attention layer we know."""
+    for name in _CORE_METHODS:
+        if callable(getattr(type(layer), name, None)):
+            return name
+    return None
+
+
+def attention_layers(root, children):
+    """`root` and every layer under it that has an attention core, outermost first.
+
+    Args:
+        root: a layer.
+        children: `layer -> its direct sub-layers` for the layer's framework.
+    """
+    found, seen, pending = [], set(), [root]
+    while pending:
+        layer = pending.pop(0)
+        if id(layer) in seen:
+            continue
+        seen.add(id(layer))
+        if core_method(layer) is not None:
+            found.append(layer)
+        pending.extend(children(layer))
+    return found
+
+
+def no_attention_message(names):
+    return (
+        f"keras_recompute: policy='attention_core' recomputes the core of the attention layers inside a "
+        f"unit, and {', '.join(repr(n) for n in names)} contain none that keras_recompute knows (a layer "
+        "with `_compute_attention`: Keras's MultiHeadAttention and keras-hub's attention layers; or "
+        "bert4keras's MultiHeadAttention). Use policy='full' or 'save_dots' for these units."
+    )
+
+
+@contextlib.contextmanager
+def cores_recomputed(layers, recompute, check):
+    """Within it, each layer's attention core is recomputed: its instance's method is decorated.
+
+    Args:
+        layers: attention layers (see `attention_layers`).
+        recompute: the `recompute_grad` decorator (passed in: the decorator imports this module).
+        check: the `check` option of the unit.
+    """
+    with contextlib.ExitStack() as stack:
+        for layer in layers:
+            name = core_method(layer)
+            core = _recomputed_core(layer, name, recompute, check)
+            stack.enter_context(_context.instance_attribute(layer, name, core))
+        yield
+
+
+def _recomputed_core(layer, name, recompute, check):
+    """`layer`'s core method, recomputed; when its caller drops the scores, they are not returned.
+
+    A core returns `(output, scores)` (Keras's `_compute_attention`,
+    bert4keras's `pay_attention_to`), and `MultiHeadAttention` drops the
+    scores unless it was asked for them. Returned from the recomputed call,
+    they would be one more B x H x S x S output per layer, and its backward
+    would take a zero gradient for them through the softmax. So when the
+    scores go unused, the recomputed call is one that returns the output only.
+    """
+    original = getattr(layer, name)
+    whole = recompute(original, enabled=True, check=check)
+
+    def attention_output(self, *args, **kwargs):
+        return original(*args, **kwargs)[0]
+
+    attention_output.__qualname__ = f"{type(layer).__name__}.{name}"
+    output_only = recompute(types.MethodType(attention_output, layer), enabled=True, check=check)
+
+    def core(*args, **kwargs):
+        if _scores_unused(layer, name, original, args, kwargs):
+            return output_only(*args, **kwargs), None
+        return whole(*args, **kwargs)
+
+    return core
+
+
+def _scores_unused(layer, name, method, args, kwargs):
+    if name == "pay_attention_to":  # bert4keras: the layer's flag asks for the scores
+        return not getattr(layer, "return_attention_scores", False)
+    try:
+        bound = inspect.signature(method).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return False
+    if "return_attention_scores" not in bound.signature.parameters:
+        return False  # a core that returns the output alone (keras-hub's)
+    bound.apply_defaults()
+    return not bound.arguments["return_attention_scores"]

@@ -1,0 +1,283 @@
+"""Selective recompute: `policy="save_dots"` and `"attention_core"` (Keras 3, every backend).
+
+Each policy is compared with the undecorated twin on a transformer block with
+attention dropout, dropout and BatchNorm (outputs, every gradient, moving
+statistics after two steps), and proven to recompute what it says and no more:
+  * `attention_core`: the block's `call` runs once and the attention core
+    twice (TensorFlow, PyTorch: counted calls); on JAX, which traces once,
+    the step's program has one more softmax (`exp`) and no more gelu (`erf`).
+  * `save_dots`: no weight matmul runs in the recompute: the step runs as many
+    unbatched matmuls as the plain step (PyTorch: `aten.mm`; JAX: the
+    program's `dot_general`s; TensorFlow: XLA's optimized `dot`s), and only
+    attention's two batched matmuls more.
+The memory each policy keeps is ordered as it should be in `test_policy_memory`.
+"""
+
+import collections
+import contextlib
+import functools
+import os
+import re
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+from keras import layers
+
+from _keras3_twins import BACKEND, MODES, compare_on_and_off, compare_with_twin, loss_and_gradients, recomputed_class, step_program
+from keras_recompute import recompute_grad, recompute_model, recompute_scope
+
+X = np.random.RandomState(0).standard_normal((2, 6, 16)).astype("float32")
+POLICIES = ("full", "save_dots", "attention_core")
+
+
+class AttentionBlock(layers.Layer):
+    """Post-norm transformer block: attention with dropout, FFN with gelu and dropout, BatchNorm."""
+
+    def __init__(self, return_scores=False, **kwargs):
+        super().__init__(**kwargs)
+        self.return_scores = return_scores
+        self.attention = layers.MultiHeadAttention(2, 8, dropout=0.2, seed=3)
+        self.norm = layers.LayerNormalization()
+        self.up = layers.Dense(32, activation="gelu")
+        self.dropout = layers.Dropout(0.3, seed=1)
+        self.down = layers.Dense(16)
+        self.batch_norm = layers.BatchNormalization()
+
+    def call(self, inputs, training=None):
+        attended = self.attention(inputs, inputs, training=training, return_attention_scores=self.return_scores)
+        scores = None
+        if self.return_scores:
+            attended, scores = attended
+        hidden = self.norm(inputs + attended)
+        output = self.batch_norm(hidden + self.down(self.dropout(self.up(hidden), training=training)), training=training)
+        return output if scores is None else (output, scores)
+
+
+class ScoresBlock(AttentionBlock):
+    def __init__(self, **kwargs):
+        super().__init__(return_scores=True, **kwargs)
+
+
+def train_call(layer, xs):
+    return layer(xs[0], training=True)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("mode", MODES)
+def test_every_policy_matches_the_twin(policy, mode):
+    compare_with_twin(AttentionBlock, [X], mode, steps=2, policy=policy)
+
+
+@pytest.mark.parametrize("policy", ["save_dots", "attention_core"])
+def test_attention_scores_asked_for_are_returned_and_exact(policy):
+    """MultiHeadAttention(return_attention_scores=True): the scores leave the recomputed core too."""
+    compare_with_twin(ScoresBlock, [X], MODES[-1], policy=policy)
+
+
+@contextlib.contextmanager
+def counted(*methods):
+    """Counts the calls of `(class, method name)` pairs, by class name."""
+    counts = collections.Counter()
+    originals = [(cls, name, cls.__dict__[name]) for cls, name in methods]
+    for cls, name, original in originals:
+
+        @functools.wraps(original)
+        def counting(self, *args, _original=original, _key=f"{cls.__name__}.{name}", **kwargs):
+            counts[_key] += 1
+            return _original(self, *args, **kwargs)
+
+        setattr(cls, name, counting)
+    try:
+        yield counts
+    finally:
+        for cls, name, original in originals:
+            setattr(cls, name, original)
+
+
+def block(policy=None):
+    keras.utils.set_random_seed(0)
+    layer = (AttentionBlock if policy is None else recomputed_class(AttentionBlock, policy=policy))()
+    with recompute_scope(False):
+        train_call(layer, [X])
+    return layer
+
+
+@pytest.mark.skipif(BACKEND == "jax", reason="JAX traces a call once: counted in its program below")
+def test_attention_core_recomputes_the_core_alone():
+    with counted((AttentionBlock, "call"), (layers.MultiHeadAttention, "_compute_attention")) as counts:
+        layer = block("attention_core")
+        counts.clear()
+        with recompute_scope(True):
+            loss_and_gradients(layer, [X], "eager", train_call)
+    assert counts == {"AttentionBlock.call": 1, "MultiHeadAttention._compute_attention": 2}
+
+
+def _program_counts(policy):
+    with recompute_scope(True):
+        program = step_program(block(policy), [X], train_call)
+    patterns = {"dot_general": r"= dot_general\b", "exp": r"= exp\b", "erf": r"= erfc?\b"}
+    return {op: len(re.findall(pattern, program)) for op, pattern in patterns.items()}
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="the program of a JAX step")
+def test_what_each_policy_recomputes_in_the_jax_program():
+    plain = _program_counts(None)
+    extra = {policy: {op: n - plain[op] for op, n in _program_counts(policy).items()} for policy in POLICIES}
+    # The forward has 8 matmuls: 6 with a weight (query, key, value, output, up, down), 2 batched (attention).
+    assert extra["full"] == {"dot_general": 8, "exp": 1, "erf": 1}
+    assert extra["save_dots"] == {"dot_general": 2, "exp": 1, "erf": 1}
+    assert extra["attention_core"] == {"dot_general": 2, "exp": 1, "erf": 0}
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="PyTorch's dispatched ops")
+def test_save_dots_runs_no_weight_matmul_again_on_torch():
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.counts = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default):
+                batched = func is torch.ops.aten.bmm.default and args[0].shape[0] > 1
+                self.counts["batched" if batched else "weight"] += 1
+            return func(*args, **(kwargs or {}))
+
+    def matmuls(policy):
+        layer = block(policy)
+        with recompute_scope(True), Count() as mode:
+            loss_and_gradients(layer, [X], "eager", train_call)
+        return mode.counts
+
+    plain, full, save_dots = matmuls(None), matmuls("full"), matmuls("save_dots")
+    assert full["weight"] == plain["weight"] + 6
+    assert save_dots["weight"] == plain["weight"]
+    assert save_dots["batched"] == plain["batched"] + 2
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="XLA's program of a TensorFlow step")
+def test_save_dots_runs_no_weight_matmul_again_under_xla():
+    import tensorflow as tf
+
+    def dots(policy):
+        layer = block(policy)
+        variables = layer.trainable_variables
+
+        def step(x):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(tf.sin(layer(x, training=True)))
+            return tape.gradient(loss, variables)
+
+        with recompute_scope(True):
+            hlo = tf.function(step, jit_compile=True).experimental_get_compiler_ir(tf.constant(X))(stage="optimized_hlo")
+        return len(re.findall(r" dot\(", hlo))
+
+    plain, full, save_dots = dots(None), dots("full"), dots("save_dots")
+    assert full - plain >= 6  # the weight matmuls run again
+    assert save_dots - plain <= 2  # attention's batched matmuls at most
+
+
+def functional_attention(count=2):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6, 16))
+    hidden = inputs
+    for i in range(count):
+        hidden = AttentionBlock(name=f"block_{i}")(hidden)
+    return keras.Model(inputs, layers.Dense(3, name="head")(hidden))
+
+
+@pytest.mark.parametrize("policy", ["save_dots", "attention_core"])
+def test_recompute_model_takes_a_policy(policy):
+    model = recompute_model(functional_attention(), policy=policy)
+    compare_on_and_off(model, [X], MODES[-1], train_call, steps=2)
+
+
+def test_recompute_model_attention_core_on_units_without_attention_names_them():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16,))
+    hidden = inputs
+    for i in range(3):
+        hidden = layers.Dense(16, activation="gelu", name=f"dense_{i}")(hidden)
+    model = keras.Model(inputs, hidden)
+    with pytest.raises(ValueError, match=r"attention_core.*'dense_0', 'dense_1', 'dense_2'.*policy='full'"):
+        recompute_model(model, blocks=layers.Dense, policy="attention_core")
+
+
+def test_attention_core_on_a_call_without_attention_says_so():
+    class NoAttention(layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.dense = layers.Dense(4)
+
+        @recompute_grad(enabled=True, policy="attention_core")
+        def call(self, inputs):
+            return self.dense(inputs)
+
+    with pytest.raises(ValueError, match=r"attention_core.*NoAttention\.call.*contain none"):
+        NoAttention()(X)
+
+
+@pytest.mark.parametrize("bad", ["selective", "FULL", None, 3])
+def test_unknown_policies_name_the_valid_ones(bad):
+    expected = r"got .*; valid policies are \['full', 'save_dots', 'attention_core'\]"
+    with pytest.raises(ValueError, match=r"recompute_grad\(policy=\.\.\.\) " + expected):
+        recompute_grad(lambda x: x, policy=bad)
+    with pytest.raises(ValueError, match=r"recompute_model\(policy=\.\.\.\) " + expected):
+        recompute_model(functional_attention(1), policy=bad)
+
+
+CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_policy_memory_child.py")
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's allocator, in fresh processes")
+@pytest.mark.parametrize("framework", ["keras", "tf_keras"])
+def test_policy_memory(framework):
+    """The BFC peak of a `tf.function` step: none > attention_core, and none > save_dots > full."""
+    root = os.path.dirname(os.path.dirname(CHILD))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    peaks = {}
+    for policy in ("none", "full", "save_dots", "attention_core"):
+        done = subprocess.run([sys.executable, CHILD, framework, policy], env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-3000:]
+        peaks[policy] = int(done.stdout.strip().splitlines()[-1])
+    print({policy: f"{peak / 2**20:.1f} MB" for policy, peak in peaks.items()})
+    assert peaks["none"] > 1.3 * peaks["attention_core"]
+    assert peaks["none"] > 1.3 * peaks["save_dots"] > 1.3 * peaks["full"]
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="tf_keras runs on TensorFlow")
+@pytest.mark.parametrize("policy", ["save_dots", "attention_core"])
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_tf_keras_policies_match_the_plain_model(policy, mode):
+    import tensorflow as tf
+    import tf_keras as K
+
+    from _twins import on_and_off
+
+    class Attention(K.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.attention = K.layers.MultiHeadAttention(2, 8)
+            self.norm = K.layers.LayerNormalization()
+            self.up = K.layers.Dense(32, activation="gelu")
+            self.dropout = K.layers.Dropout(0.2, seed=3)
+            self.down = K.layers.Dense(16)
+
+        def call(self, inputs, training=None):
+            hidden = self.norm(inputs + self.attention(inputs, inputs, training=training))
+            return hidden + self.down(self.dropout(self.up(hidden), training=training))
+
+    def build():
+        K.utils.set_random_seed(0)
+        inputs = K.Input((6, 16))
+        hidden = inputs
+        for _ in range(2):
+            hidden = Attention()(hidden)
+        return recompute_model(K.Model(inputs, K.layers.Dense(3)(hidden)), policy=policy)
+
+    on_and_off(K, build, tf.constant(X), mode)
