@@ -45,7 +45,7 @@ def test_switch_is_read_at_call_time_not_import(monkeypatch):
     import keras_recompute._decorator as decorator_module
 
     monkeypatch.setattr(
-        decorator_module, "_dispatch", lambda context, args, kwargs: lambda fn, a, k, context, check: seen.append("recompute")
+        decorator_module, "_dispatch", lambda context, args, kwargs: lambda fn, a, k, context, check, policy: seen.append("recompute")
     )
     decorated = recompute_grad(lambda x: seen.append("plain"))
     decorated(0)
@@ -76,7 +76,7 @@ def test_enabled_option_fixes_the_choice(monkeypatch):
     import keras_recompute._decorator as decorator_module
 
     monkeypatch.setattr(
-        decorator_module, "_dispatch", lambda context, args, kwargs: lambda fn, a, k, context, check: "recompute"
+        decorator_module, "_dispatch", lambda context, args, kwargs: lambda fn, a, k, context, check, policy: "recompute"
     )
     always = recompute_grad(enabled=True)(lambda: "plain")
     never = recompute_grad(enabled=False)(lambda: "plain")
