@@ -104,6 +104,21 @@ def children(layer):
     return list(layer._flatten_layers(include_self=False, recursive=False))
 
 
+def sublayers(layer):
+    """Every layer under `layer` (not itself), each once, parents before children, in tracking order."""
+    ordered, seen = [], {id(layer)}
+
+    def visit(parent):
+        for child in children(parent):
+            if id(child) not in seen:
+                seen.add(id(child))
+                ordered.append(child)
+                visit(child)
+
+    visit(layer)
+    return ordered
+
+
 class CallContext:
     """What one call depends on besides its arguments; see NOTE [ the call's context ].
 

@@ -146,7 +146,7 @@ def _undecorated(fn):
 def _with_cores_recomputed(fn, args, kwargs, context, check):
     """The call as it is, its attention layers' cores recomputed (NOTE [ policies ])."""
     owner = context.owner
-    layers = _policy.attention_layers(owner, _context.children) if _context.is_layer(owner) else []
+    layers = _policy.attention_layers(owner) if _context.is_layer(owner) else []
     if not layers:
         raise ValueError(_policy.no_attention_message([context.name]))
     with _policy.cores_recomputed(layers, recompute_grad, check):

@@ -91,7 +91,7 @@ def recompute_model(model, blocks="auto", *, segments=None, limit=None, policy="
     getattr(framework, "check_plannable", lambda model: None)(model)
     units = None if segments is not None else _choose_blocks(model, framework, blocks)
     if units is not None and policy == _policy.ATTENTION_CORE:
-        _check_attention(units[:limit], framework)
+        _check_attention(units[:limit])
     count = _segment_count(model, framework, segments) if segments is not None else None
     _remove_bert4keras_recompute()
     unrecompute_model(model)
@@ -204,41 +204,26 @@ def _choose_blocks(model, framework, blocks):
     if isinstance(blocks, str) and blocks == "auto":
         return _auto_blocks(model, framework)
     if isinstance(blocks, type) or (isinstance(blocks, tuple) and blocks and all(isinstance(b, type) for b in blocks)):
-        return _outermost(model, framework, lambda layer: isinstance(layer, blocks), f"instances of {_names_of(blocks)}")
+        return _outermost(model, lambda layer: isinstance(layer, blocks), f"instances of {_names_of(blocks)}")
     if isinstance(blocks, (list, tuple)) and blocks and all(isinstance(b, str) for b in blocks):
-        return _by_names(model, framework, list(blocks))
+        return _by_names(model, list(blocks))
     if callable(blocks):
-        return _outermost(model, framework, lambda layer: bool(blocks(layer)), "layers the predicate accepts")
+        return _outermost(model, lambda layer: bool(blocks(layer)), "layers the predicate accepts")
     raise ValueError(
         "keras_recompute: recompute_model(blocks=...) takes 'auto', a layer class or tuple of classes, "
         f"a list of layer names, or a predicate layer -> bool; received {blocks!r}."
     )
 
 
-def _layers_in_order(model, framework):
-    """Every layer under `model` (not itself), parents before children, in tracking order."""
-    ordered, seen = [], {id(model)}
-
-    def visit(layer):
-        for child in framework.children(layer):
-            if id(child) not in seen:
-                seen.add(id(child))
-                ordered.append(child)
-                visit(child)
-
-    visit(model)
-    return ordered
-
-
-def _outermost(model, framework, accept, description):
+def _outermost(model, accept, description):
     """The accepted layers that are not inside another accepted one."""
     chosen, inside = [], set()
-    for layer in _layers_in_order(model, framework):
+    for layer in _context.sublayers(model):
         if id(layer) in inside:
             continue
         if accept(layer):
             chosen.append(layer)
-            inside.update(id(sub) for sub in _layers_in_order(layer, framework))
+            inside.update(id(sub) for sub in _context.sublayers(layer))
     if not chosen:
         raise ValueError(
             f"keras_recompute: recompute_model found no {description} in {model.name!r}. Pass blocks= "
@@ -247,9 +232,9 @@ def _outermost(model, framework, accept, description):
     return chosen
 
 
-def _by_names(model, framework, names):
+def _by_names(model, names):
     by_name = {}
-    for layer in _layers_in_order(model, framework):
+    for layer in _context.sublayers(model):
         by_name.setdefault(layer.name, layer)
     unknown = [name for name in names if name not in by_name]
     if unknown:
@@ -262,7 +247,7 @@ def _by_names(model, framework, names):
 
 def _auto_blocks(model, framework):
     """A keras-hub backbone's blocks; else the longest run of one class; else None (a graph's pieces)."""
-    for layer in [model] + _layers_in_order(model, framework):
+    for layer in [model] + _context.sublayers(model):
         for attribute in _BLOCK_LISTS:
             listed = getattr(layer, attribute, None)
             if isinstance(listed, (list, tuple)) and listed and all(_context.is_layer(x) for x in listed):
@@ -290,7 +275,7 @@ def _longest_run(model, framework):
     embeddings side by side are not blocks either.
     """
     best = []
-    for parent in [model] + [layer for layer in _layers_in_order(model, framework) if _is_model(layer)]:
+    for parent in [model] + [layer for layer in _context.sublayers(model) if _is_model(layer)]:
         feeds = _feeds(parent, framework)
         run = []
         for layer in framework.children(parent):
@@ -321,8 +306,8 @@ def _feeds(parent, framework):
     return pairs
 
 
-def _check_attention(units, framework):
-    without = [unit.name for unit in units if not _policy.attention_layers(unit, framework.children)]
+def _check_attention(units):
+    without = [unit.name for unit in units if not _policy.attention_layers(unit)]
     if without:
         raise ValueError(_policy.no_attention_message(without))
 
@@ -383,7 +368,7 @@ def _pieces_plan(model, framework, count, limit, enabled, policy):
         without = [
             f"{nodes[start][0].name} .. {nodes[end - 1][0].name}"
             for start, end in units
-            if not any(_policy.attention_layers(layer, framework.children) for layer, _, _, _ in nodes[start:end])
+            if not any(_policy.attention_layers(layer) for layer, _, _, _ in nodes[start:end])
         ]
         if without:
             raise ValueError(_policy.no_attention_message(without))

@@ -53,23 +53,9 @@ def core_method(layer):
     return None
 
 
-def attention_layers(root, children):
-    """`root` and every layer under it that has an attention core, outermost first.
-
-    Args:
-        root: a layer.
-        children: `layer -> its direct sub-layers` for the layer's framework.
-    """
-    found, seen, pending = [], set(), [root]
-    while pending:
-        layer = pending.pop(0)
-        if id(layer) in seen:
-            continue
-        seen.add(id(layer))
-        if core_method(layer) is not None:
-            found.append(layer)
-        pending.extend(children(layer))
-    return found
+def attention_layers(root):
+    """`root` and every layer under it that has an attention core, parents first."""
+    return [layer for layer in [root] + _context.sublayers(root) if core_method(layer) is not None]
 
 
 def no_attention_message(names):
@@ -117,22 +103,33 @@ def _recomputed_core(layer, name, recompute, check):
     attention_output.__qualname__ = f"{type(layer).__name__}.{name}"
     output_only = recompute(types.MethodType(attention_output, layer), enabled=True, check=check)
 
+    scores_unused = _scores_unused_test(layer, name, original)
+
     def core(*args, **kwargs):
-        if _scores_unused(layer, name, original, args, kwargs):
+        if scores_unused(args, kwargs):
             return output_only(*args, **kwargs), None
         return whole(*args, **kwargs)
 
     return core
 
 
-def _scores_unused(layer, name, method, args, kwargs):
+def _scores_unused_test(layer, name, method):
+    """`(args, kwargs) -> bool`: whether a call of `layer`'s core drops the scores it returns."""
     if name == "pay_attention_to":  # bert4keras: the layer's flag asks for the scores
-        return not getattr(layer, "return_attention_scores", False)
+        return lambda args, kwargs: not getattr(layer, "return_attention_scores", False)
     try:
-        bound = inspect.signature(method).bind(*args, **kwargs)
+        signature = inspect.signature(method)
     except (TypeError, ValueError):
-        return False
-    if "return_attention_scores" not in bound.signature.parameters:
-        return False  # a core that returns the output alone (keras-hub's)
-    bound.apply_defaults()
-    return not bound.arguments["return_attention_scores"]
+        signature = None
+    if signature is None or "return_attention_scores" not in signature.parameters:
+        return lambda args, kwargs: False  # a core that returns the output alone (keras-hub's)
+
+    def unused(args, kwargs):
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError:
+            return False
+        bound.apply_defaults()
+        return not bound.arguments["return_attention_scores"]
+
+    return unused

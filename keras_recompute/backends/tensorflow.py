@@ -268,16 +268,7 @@ def _dense_layers(owner):
     if not _context.is_layer(owner):
         return []
     classes = _keras3.dense_classes() + _tf_keras.dense_classes()
-    found, pending, seen = [], list(_context.children(owner)), set()
-    while pending:
-        layer = pending.pop(0)
-        if id(layer) in seen:
-            continue
-        seen.add(id(layer))
-        if isinstance(layer, classes):
-            found.append(layer)
-        pending.extend(_context.children(layer))
-    return found
+    return [layer for layer in _context.sublayers(owner) if isinstance(layer, classes)]
 
 
 @contextlib.contextmanager
