@@ -281,3 +281,18 @@ def test_tf_keras_policies_match_the_plain_model(policy, mode):
         return recompute_model(K.Model(inputs, K.layers.Dense(3)(hidden)), policy=policy)
 
     on_and_off(K, build, tf.constant(X), mode)
+
+
+@pytest.mark.parametrize("policy", ["save_dots", "attention_core"])
+@pytest.mark.parametrize("family", ["Gemma", "GPT2"])
+def test_keras_hub_lora_backbones_under_each_policy(policy, family):
+    """keras-hub attention of its own classes, LoRA on. Gemma's core scales its query in place
+    (`q *= c`): on PyTorch the recompute must see the query as it was (NOTE [ inputs written in place ])."""
+    from test_model import _keras_hub_backbone
+
+    backbone = recompute_model(_keras_hub_backbone(family, lora=True), policy=policy)
+    ids = np.random.RandomState(0).randint(1, 100, size=(2, 16)).astype("int32")
+    padding = np.ones((2, 16), "int32")
+    padding[1, 10:] = 0
+    call = lambda m, xs: m({"token_ids": xs[0], "padding_mask": xs[1]}, training=True)  # noqa: E731
+    compare_on_and_off(backbone, [ids, padding], MODES[-1], call, steps=2)

@@ -32,6 +32,7 @@ the recomputed tensors); `check=False` turns it off.
 
 import contextlib
 
+import keras
 import torch
 from torch.utils import checkpoint as torch_checkpoint
 
@@ -63,14 +64,14 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full"):
         # Nothing is saved for a backward that will not run.
         return fn(*args, **kwargs)
     state = _keras3.capture(owner, _snapshot)
-    recomputing = []
 
     def run(*call_args, **call_kwargs):
-        # The forward runs as the plain call. The recompute gets the same
-        # tensors, whose masks a sub-layer may have cleared in the forward
-        # (`MultiHeadAttention` does): they get back the masks they had.
-        if not recomputing:
-            return fn(*call_args, **call_kwargs)
+        # NOTE [ inputs written in place ]: a call may write its inputs in
+        # place (keras-hub's Gemma attention scales its query with `q *= c`),
+        # and the recompute must see them as they were: the call gets copies
+        # (one copy of the unit's inputs per run, freed with the run). The
+        # copies get the masks the inputs had when the call began.
+        call_args, call_kwargs = keras.tree.map_structure(_copy, (call_args, call_kwargs))
         with context.masks_attached(call_args, call_kwargs):
             return fn(*call_args, **call_kwargs)
 
@@ -78,7 +79,7 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full"):
         forward, recompute = contextlib.nullcontext(), contextlib.nullcontext()
         if policy == _policy.SAVE_DOTS:
             forward, recompute = torch_checkpoint.create_selective_checkpoint_contexts(_save_dots)
-        return forward, _Recomputing(recomputing, _keras3.replay(state, owner), recompute)
+        return forward, _Recomputing(_keras3.replay(state, owner), recompute)
 
     with torch_checkpoint.set_checkpoint_early_stop(False):
         return torch_checkpoint.checkpoint(
@@ -108,12 +109,16 @@ def _save_dots(ctx, op, *args, **kwargs):
     return torch_checkpoint.CheckpointPolicy.MUST_SAVE if keep else torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
 
 
-class _Recomputing:
-    """The recompute's context: Keras's replayed state, a flag `run` reads, and torch's own."""
+def _copy(value):
+    return value.clone() if isinstance(value, torch.Tensor) and value.is_floating_point() else value
 
-    def __init__(self, flag, replay, torch_context):
+
+class _Recomputing:
+    """The recompute's context: Keras's replayed state, and torch's own."""
+
+    def __init__(self, replay, torch_context):
         self._stack = contextlib.ExitStack()
-        self._contexts = (replay, _Flag(flag), torch_context)
+        self._contexts = (replay, torch_context)
 
     def __enter__(self):
         for context in self._contexts:
@@ -123,14 +128,3 @@ class _Recomputing:
     def __exit__(self, *exc_info):
         return self._stack.__exit__(*exc_info)
 
-
-class _Flag:
-    def __init__(self, flag):
-        self._flag = flag
-
-    def __enter__(self):
-        self._flag.append(True)
-
-    def __exit__(self, *exc_info):
-        self._flag.pop()
-        return False
