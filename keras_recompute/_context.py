@@ -101,7 +101,9 @@ def children(layer):
 
     if _keras3.is_layer(layer):
         return _keras3.children(layer)
-    return list(layer._flatten_layers(include_self=False, recursive=False))
+    from keras_recompute.backends import _tf_keras  # a tf_keras layer: TensorFlow is imported
+
+    return _tf_keras.children(layer)
 
 
 def sublayers(layer):
