@@ -88,11 +88,13 @@ def _tf_device():
     return "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
 
 
-def run(script, arguments, backend, low_mmap_threshold=False, extra_env=None):
+def run(script, arguments, backend, low_mmap_threshold=False, extra_env=None, label=None):
     """Runs `script` with `arguments` in a fresh process; returns its last JSON line, or `{"error": ...}`.
 
     `low_mmap_threshold` sets `MALLOC_MMAP_THRESHOLD_=131072` (for the RSS
     figure; it slows allocation, so time steps in a child without it).
+    `label` is shown, with a spinner and the time so far, while the child runs
+    (on a terminal; logs get nothing).
     """
     env = dict(
         os.environ,
@@ -104,12 +106,28 @@ def run(script, arguments, backend, low_mmap_threshold=False, extra_env=None):
     env.update(extra_env or {})
     if low_mmap_threshold:
         env["MALLOC_MMAP_THRESHOLD_"] = "131072"
-    done = subprocess.run([sys.executable, script, *map(str, arguments)], env=env, capture_output=True, text=True, check=False)
+    with _console().status(f"{os.path.basename(script)}: {label or ' '.join(map(str, arguments))}"):
+        done = subprocess.run([sys.executable, script, *map(str, arguments)], env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
         message = next((line for line in reversed(lines) if "Error" in line or "error" in line), lines[-1] if lines else "")
         return {"error": message.strip()[:160] or f"exit {done.returncode}"}
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _console():
+    from rich.console import Console  # installed with Keras
+
+    return Console(stderr=True)
+
+
+def write_json(path, arguments, results):
+    """Writes a benchmark's arguments and results to `path` (`--out`), for `benchmarks/plot.py`."""
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as out:
+            json.dump({"benchmark": os.path.basename(sys.argv[0]), "arguments": arguments, "results": results}, out, indent=1, default=str)
+            out.write("\n")
 
 
 def measured(script, arguments, backend, one_row_arguments):

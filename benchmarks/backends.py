@@ -57,6 +57,7 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=5, help="timed steps")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--budget-gib", type=float, help="also find the largest batch that fits")
+    parser.add_argument("--out", help="also write the results as JSON to this file (for benchmarks/plot.py)")
     parser.add_argument("--child", metavar="METHOD", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.bert_base:
@@ -221,6 +222,9 @@ def main(argv=None):
         batches = {method: largest_batch(args, method, budget) for method in ("none", "ours")}
         ratio = batches["ours"] / max(batches["none"], 1)
         print(f"largest batch within {args.budget_gib} GiB: none {batches['none']}, ours {batches['ours']} ({ratio:.1f}x)")
+        results["largest_batch"] = batches
+    rows = [{"method": method, **record} for method, record in results.items() if method != "largest_batch"]
+    _measure.write_json(args.out, vars(args), {"platform": platform, "rows": rows, "largest_batch": results.get("largest_batch")})
 
 
 def _platform(backend):

@@ -59,6 +59,7 @@ def parse_args(argv=None):
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--per-sample", type=int, nargs=2, metavar=("B1", "B2"), help="activation memory per sample")
     parser.add_argument("--budget-mb", type=float, help="also find the largest batch that fits")
+    parser.add_argument("--policy", default="full", help="model: recompute_model's policy")
     parser.add_argument("--out", help="also write the results as JSON to this file")
     parser.add_argument("--child", nargs=2, metavar=("METHOD", "MODE"), help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -105,7 +106,7 @@ def child(args):
     if method == "model":
         from keras_recompute import recompute_model
 
-        recompute_model(model)
+        recompute_model(model, policy=args.policy)
     model.compile(
         optimizer=tf_keras.optimizers.legacy.Adam(1e-5),
         loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -125,11 +126,11 @@ def child(args):
     print(json.dumps({"peak": peak, "step": min(times), "loss": loss}))
 
 
-def run_child(args, method, mode):
+def run_child(args, method, mode, extra_env=None):
     arguments = ["--child", method, mode]
-    for name in ("layers", "hidden", "heads", "intermediate", "vocab", "seq", "batch", "steps"):
+    for name in ("layers", "hidden", "heads", "intermediate", "vocab", "seq", "batch", "steps", "policy"):
         arguments += [f"--{name}", getattr(args, name)]
-    return _measure.run(os.path.abspath(__file__), arguments, "tensorflow")
+    return _measure.run(os.path.abspath(__file__), arguments, "tensorflow", extra_env=extra_env, label=f"{method} ({mode}), batch {args.batch}")
 
 
 def per_sample(args, method, mode):
@@ -200,9 +201,7 @@ def main(argv=None):
             base = results["largest_batch"].get("none", {})
             ratio = f"  {batch / base['batch']:.2f}x the batch, {per / base['seconds_per_sample']:.2f}x the time per sample" if base.get("batch") else ""
             print(f"  {method:<7} batch {batch:>5}  {per:.3f} s/sample" + ratio)
-    if args.out:
-        with open(args.out, "w") as out:
-            json.dump({"arguments": vars(args), "results": results}, out, indent=1, default=str)
+    _measure.write_json(args.out, vars(args), results)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,10 @@ POLICIES = {"ours": "full", "save_dots": "save_dots", "attention_core": "attenti
 MODES = ("eager", "function", "jit", "graph")
 
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _measure  # noqa: E402
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--blocks", type=int, default=12)
@@ -48,6 +52,7 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=5, help="timed steps")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--out", help="also write the results as JSON to this file (for benchmarks/plot.py)")
     parser.add_argument("--child", nargs=2, metavar=("METHOD", "MODE"), help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -179,7 +184,8 @@ def run_child(args, method, mode):
     command = [sys.executable, os.path.abspath(__file__), "--child", method, mode]
     for name in ("blocks", "hidden", "heads", "ffn", "seq", "batch", "dropout", "steps"):
         command += [f"--{name}", str(getattr(args, name))]
-    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    with _measure._console().status(f"memory.py: {method} ({mode})"):
+        done = subprocess.run(command, env=env, capture_output=True, text=True)
     for line in reversed(done.stdout.splitlines()):
         if line.startswith("{"):
             return json.loads(line)
@@ -216,10 +222,12 @@ def main():
     )
     print(header)
     print("-" * len(header))
+    rows = []
     for mode in args.modes:
         base = None
         for method in args.methods:
             result = run_child(args, method, mode)
+            rows.append({"mode": mode, "method": method, **result})
             if "error" in result:
                 print(f"{mode:<9} {method:<15} failed: {result['error']}")
                 continue
@@ -235,6 +243,7 @@ def main():
                 f"{peak_ratio:>13} {step_ratio:>16} {time_ratio:>13}",
                 flush=True,
             )
+    _measure.write_json(args.out, vars(args), {"rows": rows})
 
 
 if __name__ == "__main__":

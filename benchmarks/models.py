@@ -174,9 +174,7 @@ def main(argv=None):
     if args.child:
         return child(args)
     results = run_gemma(args) if args.case == "gemma" else run_segments(args)
-    if args.out:
-        with open(args.out, "w") as out:
-            json.dump({"case": args.case, "arguments": vars(args), "results": results}, out, indent=1, default=str)
+    _measure.write_json(args.out, vars(args), {**results, "case": args.case})
 
 
 if __name__ == "__main__":

@@ -1,0 +1,129 @@
+"""Figures from the benchmarks' JSON results (`--out`), for the README and docs/.
+
+For each file, by the benchmark that wrote it:
+    max_batch.py     memory against batch size (every probe's peak, one line per
+                     method, the budget as a line), and the largest batch per method
+                     with its time per sample against no recompute
+    memory.py,       peak memory and step time per method (one group per mode)
+    backends.py,
+    bert4keras_bert.py
+
+Usage:
+    python benchmarks/plot.py benchmarks/results/*.json            # into docs/images/
+    python benchmarks/plot.py FILE.json --outdir /tmp/figures
+
+Needs matplotlib (`pip install matplotlib`); nothing else in the project does.
+"""
+
+import argparse
+import json
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COLORS = {
+    "none": "#7f7f7f",
+    "theirs": "#d62728",
+    "enable": "#ff7f0e",
+    "ours": "#ff7f0e",
+    "full": "#1f77b4",
+    "model": "#1f77b4",
+    "save_dots": "#2ca02c",
+    "attention_core": "#9467bd",
+}
+LABELS = {"theirs": "theirs (wrong\ngradients)"}
+MiB = 2**20
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_max_batch(data, path):
+    plt = _pyplot()
+    results = data["results"]
+    methods = results["methods"]
+    figure, (memory, batches) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [1.25, 1]})
+    for method, found in methods.items():
+        probes = [p for p in found["probes"] if p["fits"] and p["peak"]]
+        if probes:
+            memory.plot(
+                [p["batch"] for p in probes], [p["peak"] / MiB for p in probes], "o-", label=method, color=COLORS.get(method, "#17becf"), markersize=4
+            )
+    memory.axhline(results["budget_bytes"] / MiB, color="black", linestyle="--", linewidth=1)
+    memory.text(0.02, results["budget_bytes"] / MiB, " budget", va="bottom", transform=memory.get_yaxis_transform())
+    memory.set_xscale("log", base=2)
+    memory.set_xlabel("batch size")
+    memory.set_ylabel("peak memory of a training step (MiB)")
+    memory.set_title("memory against batch size")
+    memory.legend(fontsize=8)
+    names = list(methods)
+    base = methods.get("none") or {}
+    values = [methods[m]["batch"] for m in names]
+    bars = batches.bar([LABELS.get(m, m) for m in names], values, color=[COLORS.get(m, "#17becf") for m in names])
+    for bar, method in zip(bars, names):
+        found = methods[method]
+        label = f"{found['batch']}"
+        if base.get("batch") and found.get("seconds_per_sample"):
+            label += f"\n{found['batch'] / base['batch']:.1f}x batch\n{found['seconds_per_sample'] / base['seconds_per_sample']:.2f}x s/sample"
+        batches.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=7)
+    batches.set_ylabel("largest batch within the budget")
+    batches.set_ylim(0, max(values + [1]) * 1.45)
+    batches.tick_params(axis="x", labelrotation=30, labelsize=8)
+    batches.set_title("largest batch, time per sample vs none")
+    figure.suptitle(results["title"], fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def plot_table(data, path):
+    """Peak memory and step time per method, from a benchmark's rows."""
+    plt = _pyplot()
+    results = data["results"]
+    rows = results.get("rows") or results.get("table") or []
+    rows = [row for row in rows if "error" not in row]
+    labels = [f"{row['mode']}\n{row['method']}" if "mode" in row else row["method"] for row in rows]
+    peaks = [(row.get("step_mb") or row.get("peak_mb") or (row.get("xla_temp") or row.get("peak") or 0) / MiB) for row in rows]
+    steps = [row.get("step_s") or row.get("step") for row in rows]
+    figure, (memory, time) = plt.subplots(1, 2, figsize=(11, 3.8))
+    colors = [COLORS.get(row["method"], "#17becf") for row in rows]
+    memory.bar(range(len(rows)), peaks, color=colors)
+    memory.set_ylabel("MiB")
+    memory.set_title("memory of a training step")
+    time.bar(range(len(rows)), steps, color=colors)
+    time.set_ylabel("seconds")
+    time.set_title("step time")
+    for axis in (memory, time):
+        axis.set_xticks(range(len(rows)), labels, fontsize=7, rotation=45, ha="right")
+    figure.suptitle(f"{data['benchmark']} {_arguments(data['arguments'])}", fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def _arguments(arguments):
+    keep = ("backend", "blocks", "layers", "hidden", "seq", "batch")
+    return ", ".join(f"{name} {arguments[name]}" for name in keep if arguments.get(name) is not None)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("files", nargs="+", help="JSON files written by the benchmarks' --out")
+    parser.add_argument("--outdir", default=os.path.join(ROOT, "docs", "images"))
+    args = parser.parse_args(argv)
+    os.makedirs(args.outdir, exist_ok=True)
+    for name in args.files:
+        with open(name) as source:
+            data = json.load(source)
+        path = os.path.join(args.outdir, os.path.splitext(os.path.basename(name))[0] + ".png")
+        (plot_max_batch if data.get("benchmark") == "max_batch.py" else plot_table)(data, path)
+        print(path)
+
+
+if __name__ == "__main__":
+    main()
