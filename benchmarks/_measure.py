@@ -37,6 +37,16 @@ def reset_peak(backend):
             torch.cuda.reset_peak_memory_stats()
 
 
+def reset_rss_peak():
+    """In a child: the RSS's high-water mark (`rss_peak`) starts again from the RSS now.
+
+    Linux resets `VmHWM` when 5 is written to `clear_refs`: what ran before
+    (building, a memory report) is then not counted.
+    """
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")
+
+
 def peak(backend):
     """In a child: the allocator's peak in bytes since `reset_peak`, or None where there is none."""
     if backend == "tensorflow":

@@ -19,6 +19,10 @@ Methods (those that apply to the model):
     full            `recompute_model(model)`: each transformer block one unit
     save_dots       `recompute_model(model, policy="save_dots")`
     attention_core  `recompute_model(model, policy="attention_core")`
+    budget          `recompute_model(model, budget=<the budget>, inputs=batch)`:
+                    at each batch tried, the plan with the least recompute time
+                    that fits (keras-hub: its blocks are layers; bert4keras's
+                    blocks are pieces of a graph, which planning does not take)
 
 Memory is the allocator's peak, and the budget is the allocator's limit: on a
 CPU TensorFlow's BFC allocator (`TF_CPU_ALLOCATOR_USE_BFC=1`) with
@@ -46,7 +50,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _measure  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-METHODS = ("none", "theirs", "enable", "full", "save_dots", "attention_core")
+METHODS = ("none", "theirs", "enable", "full", "save_dots", "attention_core", "budget")
 POLICIES = ("full", "save_dots", "attention_core")
 SIZES = {"base": dict(layers=12, hidden=768, heads=12, intermediate=3072), "large": dict(layers=24, hidden=1024, heads=16, intermediate=4096)}
 # What the seed articles claim for recompute, to print beside ours.
@@ -73,7 +77,7 @@ def parse_args(argv=None):
     parser.add_argument("--child", nargs=2, metavar=("METHOD", "BATCH"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.seq = args.seq or (128 if args.model == "bert4keras" else 512)
-    applicable = METHODS if args.model == "bert4keras" else tuple(m for m in METHODS if m != "theirs")
+    applicable = tuple(m for m in METHODS if m != ("budget" if args.model == "bert4keras" else "theirs"))
     args.methods = args.methods or list(applicable)
     for method in args.methods:
         if method not in applicable:
@@ -122,6 +126,14 @@ def keras_hub_child(args):
     }
     labels = rng.randint(0, 2, size=(batch,)).astype("int32")
     backend = keras.backend.backend()
+    plan = None
+    if method == "budget":
+        try:
+            recompute_model(model, budget=int(args.budget_mb * 2**20), inputs=inputs)
+        except ValueError as error:  # below the least peak any plan reaches: does not fit
+            print(json.dumps({"error": str(error)[:160]}))
+            return
+        plan = planned_policies(model, inputs)
     model.train_on_batch(inputs, labels)  # builds and compiles
     _measure.reset_peak(backend)
     times = []
@@ -129,7 +141,14 @@ def keras_hub_child(args):
         start = time.perf_counter()
         loss = float(np.asarray(model.train_on_batch(inputs, labels)))
         times.append(time.perf_counter() - start)
-    print(json.dumps({"peak": _measure.peak(backend), "step": min(times), "loss": loss}))
+    print(json.dumps({"peak": _measure.peak(backend), "step": min(times), "loss": loss, "plan": plan}))
+
+
+def planned_policies(model, inputs):
+    """The policy `recompute_model(budget=...)` gave each unit, as a short string (`-` for none)."""
+    from keras_recompute import memory_report
+
+    return " ".join({"none": "-"}.get(row["policy"], row["policy"]) for row in memory_report(model, inputs).rows)
 
 
 def probe(args, method, batch, limited=True, steps=1):
@@ -203,6 +222,9 @@ def main(argv=None):
         if base and base["batch"]:
             ratios = (f"{batch / base['batch']:.2f}x", f"{per / base['seconds_per_sample']:.2f}x")
         print(f"{method:<15} {batch:>6} {ratios[0]:>8} {per:>9.3f} {ratios[1]:>8}  {record['loss']:.4f}")
+        if record.get("plan"):
+            print(f"{'':<15} plan at batch {batch}: {record['plan']}")
+            results["methods"][method]["plan"] = record["plan"]
     claim = SEED_CLAIMS.get((args.model, args.size))
     if claim:
         print(f"seed's claim: {claim}")

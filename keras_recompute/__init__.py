@@ -9,13 +9,14 @@ imported when a decorated call first runs with recompute on.
 from keras_recompute._config import is_enabled, recompute_scope
 from keras_recompute._decorator import recompute_grad
 from keras_recompute._errors import RecomputeError
-from keras_recompute._model import recompute_model
+from keras_recompute._model import memory_report, recompute_model
 
 __version__ = "0.1.0"
 
 __all__ = [
     "RecomputeError",
     "is_enabled",
+    "memory_report",
     "recompute_grad",
     "recompute_model",
     "recompute_scope",

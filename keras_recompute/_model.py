@@ -26,7 +26,7 @@ import math
 import sys
 import warnings
 
-from keras_recompute import _config, _context, _policy
+from keras_recompute import _budget, _config, _context, _memory, _policy
 from keras_recompute._decorator import recompute_grad
 
 # Attributes of keras-hub backbones that list their repeated blocks.
@@ -35,7 +35,9 @@ _BLOCK_LISTS = ("transformer_layers", "encoder_transformer_layers", "decoder_tra
 _PLAN = "_keras_recompute_plan"
 
 
-def recompute_model(model, blocks="auto", *, segments=None, limit=None, policy="full", enabled=None):
+def recompute_model(
+    model, blocks="auto", *, segments=None, limit=None, policy="full", enabled=None, budget=None, inputs=None
+):
     """Recomputes units of an existing model in the backward pass, without editing its classes.
 
     The model is changed in place: each chosen unit runs as one
@@ -66,6 +68,16 @@ def recompute_model(model, blocks="auto", *, segments=None, limit=None, policy="
             dropout, weighted sum), which alone recomputes.
         enabled: `None` follows `RECOMPUTE` and `recompute_scope` when the
             model runs; `True` or `False` fixes the choice.
+        budget: instead of `limit` and `policy`, the peak memory one training
+            step on `inputs` may use: bytes (an int), a size (`"512MB"`,
+            `"12GiB"`), or a float in (0, 1], the fraction of the plain
+            model's activation memory to keep (`1.0` recomputes nothing).
+            Each unit gets no recompute or the policy that fits the budget
+            with the least recompute time, from costs measured on `inputs`
+            (NOTE [ measuring a model's units ] in `_memory`, NOTE [ the
+            solver ] in `_budget`). `memory_report` shows the plan.
+        inputs: with `budget`, a batch of the size training will use, as the
+            model takes it.
 
     Returns:
         `model` itself.
@@ -73,8 +85,10 @@ def recompute_model(model, blocks="auto", *, segments=None, limit=None, policy="
     Raises:
         ValueError: for an unknown policy or layer name, a `segments` or
             `limit` that is not a valid count, `segments` on a model without
-            a graph to cut, a model where `"auto"` finds no units, or
-            `"attention_core"` on units without an attention layer.
+            a graph to cut, a model where `"auto"` finds no units,
+            `"attention_core"` on units without an attention layer, a budget
+            that cannot be read, `budget` without `inputs` or with `limit`,
+            or a budget below the least peak any plan reaches.
         TypeError: if `model` is not a Keras layer, or `enabled` not a bool.
 
     Example:
@@ -83,9 +97,11 @@ def recompute_model(model, blocks="auto", *, segments=None, limit=None, policy="
     backbone = keras_hub.models.GemmaBackbone.from_preset("gemma_2b_en")
     keras_recompute.recompute_model(backbone)               # each decoder block
     keras_recompute.recompute_model(model, segments="sqrt")  # a functional model's graph
+    keras_recompute.recompute_model(model, budget="12GiB", inputs=batch)  # the least recompute that fits
     ```
     """
     _check_options(model, blocks, segments, limit, policy, enabled)
+    _check_budget_options(budget, inputs, limit, policy)
     framework = _framework(model)
     # Everything that can fail comes first: a bad choice leaves the earlier plan in place.
     getattr(framework, "check_plannable", lambda model: None)(model)
@@ -93,18 +109,73 @@ def recompute_model(model, blocks="auto", *, segments=None, limit=None, policy="
     if units is not None and policy == _policy.ATTENTION_CORE:
         _check_attention(units[:limit])
     count = _segment_count(model, framework, segments) if segments is not None else None
+    if budget is not None:
+        if units is None:
+            raise ValueError(
+                f"keras_recompute: recompute_model(budget=...) plans over layers as units, and {model.name!r} "
+                "has its units as pieces of its graph (segments=, or blocks='auto' on a model whose blocks are "
+                "not layers). Pass blocks= (a layer class, names or a predicate), or plan by hand with segments= "
+                "and limit=."
+            )
+        policies = _planned_policies(model, units, budget, inputs)
+    else:
+        policies = [policy] * len(units[:limit]) if units is not None else None
     _remove_bert4keras_recompute()
     unrecompute_model(model)
     if units is None:
         plan = _pieces_plan(model, framework, count, limit, enabled, policy)
     else:
-        undos = [_patch_call(layer, enabled, policy) for layer in units[:limit]]
-        plan = _Plan(undos, [layer.name for layer in units[:limit]])
+        chosen = [(layer, p) for layer, p in zip(units, policies) if p != _budget.NONE]
+        undos = [_patch_call(layer, enabled, p) for layer, p in chosen]
+        plan = _Plan(undos, [layer.name for layer, _ in chosen], [p for _, p in chosen], enabled)
     undo_rebuild = getattr(framework, "rebuild_graph_outputs", lambda model: None)(model)
     if undo_rebuild is not None:
         plan.after(undo_rebuild)
     object.__setattr__(model, _PLAN, plan)
     return model
+
+
+def memory_report(model, inputs, *, blocks="auto"):
+    """What each unit of `model` keeps and costs under each policy, and the peak of a training step.
+
+    The costs are measured on `inputs` (NOTE [ measuring a model's units ] in
+    `_memory`) and kept on the model: after `recompute_model(budget=...)` on
+    the same batch shape, nothing is measured again.
+
+    Args:
+        model: a Keras 3 or tf_keras model, in eager mode.
+        inputs: a batch of the size training will use, as the model takes it.
+        blocks: the units, as in `recompute_model` (`"auto"`, a class, names
+            or a predicate).
+
+    Returns:
+        A `MemoryReport`: `print(report)` shows the table; `report.rows` (one
+        dict per unit, with `"name"` and `"policy"` applied now) and
+        `report.predicted_peak` (bytes) hold it.
+
+    Example:
+
+    ```python
+    keras_recompute.recompute_model(model, budget="2GB", inputs=batch)
+    print(keras_recompute.memory_report(model, batch))
+    ```
+    """
+    if not _context.is_layer(model):
+        raise TypeError(
+            f"keras_recompute: memory_report takes a Keras 3 or tf_keras model; received {model!r} "
+            f"of type {type(model).__name__}."
+        )
+    framework = _framework(model)
+    units = _choose_blocks(model, framework, blocks)
+    if units is None:
+        raise ValueError(
+            f"keras_recompute: memory_report reports on layers as units, and {model.name!r} has none that "
+            "blocks='auto' finds (its blocks are pieces of its graph). Pass blocks= (a layer class, names or a "
+            "predicate)."
+        )
+    plan = model.__dict__.get(_PLAN)
+    applied = plan.applied() if plan is not None else {}
+    return _memory.report(model, units, inputs, [applied.get(unit.name, _budget.NONE) for unit in units])
 
 
 def unrecompute_model(model):
@@ -129,9 +200,18 @@ class _Plan:
     would save the weights of layers found in a list a second time.
     """
 
-    def __init__(self, undos, names):
+    def __init__(self, undos, names, policies=None, enabled=None):
         self._undos = undos
         self.names = tuple(names)
+        self.policies = tuple(policies) if policies is not None else None
+        self.enabled = enabled
+
+    def applied(self):
+        """`{unit name: policy}` for the units that recompute as the model runs now."""
+        on = _config.is_enabled() if self.enabled is None else self.enabled
+        if not on or self.policies is None:
+            return {}
+        return dict(zip(self.names, self.policies))
 
     def after(self, undo):
         """Adds a step undone first (it was done last)."""
@@ -184,6 +264,66 @@ def _check_options(model, blocks, segments, limit, policy, enabled):
             f"keras_recompute: recompute_model takes a Keras 3 or tf_keras model; received {model!r} "
             f"of type {type(model).__name__}."
         )
+
+
+def _check_budget_options(budget, inputs, limit, policy):
+    if budget is None:
+        if inputs is not None:
+            raise ValueError(
+                "keras_recompute: recompute_model(inputs=...) is the batch a budget is planned for; pass "
+                "budget= with it, or leave inputs= out."
+            )
+        return
+    _budget.parse_budget(budget)
+    if inputs is None:
+        raise ValueError(
+            "keras_recompute: recompute_model(budget=...) needs inputs=: a batch of the size training will "
+            "use (as the model takes it), on which the units' memory and time are measured."
+        )
+    if limit is not None:
+        raise ValueError(
+            "keras_recompute: recompute_model takes budget= or limit=, not both: the budget decides how many "
+            "units recompute, and with which policy."
+        )
+    if policy != _policy.FULL:
+        raise ValueError(
+            f"keras_recompute: recompute_model(budget=...) chooses each unit's policy itself; policy={policy!r} "
+            "cannot be kept. Leave policy= out, or drop budget= and choose by hand."
+        )
+
+
+def _planned_policies(model, units, budget, inputs):
+    """Each unit's policy (or `"none"`) from the solver, under `budget` (NOTE [ the solver ])."""
+    kind, value = _budget.parse_budget(budget)
+    costs, _ = _memory.costs(model, units, inputs)
+    plain = [_budget.NONE] * len(units)
+    if kind == "fraction":
+        if value >= 1.0:
+            return plain
+        value = costs.peak(plain) - (1.0 - value) * costs.activation_bytes(plain)
+    policies = _budget.solve(costs, value)
+    target = value
+    for _ in range(3):  # where a compiler states the step's peak, the plan is checked against it
+        if policies is None:
+            break
+        undos = [_patch_call(unit, True, p) for unit, p in zip(units, policies) if p != _budget.NONE]
+        try:
+            actual = _memory.compiled_peak(model, inputs, costs)
+        finally:
+            for undo in reversed(undos):
+                undo()
+        if actual is None or actual <= value:
+            break
+        target -= actual - value
+        policies = _budget.solve(costs, target)
+    if policies is None:
+        asked = f"{budget!r}" if kind == "bytes" else f"{budget!r}, a peak of {_budget.format_bytes(value)}"
+        raise ValueError(
+            f"keras_recompute: recompute_model(budget={asked}) is below the least peak any plan reaches "
+            f"for this batch, {_budget.format_bytes(costs.floor())} (weights, optimizer and batch alone: "
+            f"{_budget.format_bytes(costs.resident)}). Train with a smaller batch, or allow more memory."
+        )
+    return policies
 
 
 def _framework(model):

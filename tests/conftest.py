@@ -11,6 +11,8 @@ import pytest  # noqa: E402
 # These test TensorFlow, tf_keras or backend-free code: the TensorFlow run covers them.
 _TENSORFLOW_RUN_ONLY = [
     "test_config.py",
+    "test_budget_solver.py",
+    "test_budget_tf_keras.py",
     "test_context_tensorflow.py",
     "test_memory.py",
     "test_model_tensorflow.py",

@@ -504,3 +504,94 @@ def _waiter(upstream):
         return tf.identity(tensor)
 
     return wait
+
+
+# NOTE [ measuring a unit on TensorFlow ]
+# What a call keeps for its backward is read from the graph of one training
+# step of it, traced by `tf.function`: the tensors made by the forward that an
+# op of the gradient reads. The runtime frees every other forward tensor as
+# soon as its last forward reader has run, so these are what the step holds
+# from its forward until its backward. Views (Identity, Reshape, ...) are
+# counted as the tensor they view, and variables and the call's own inputs
+# are not counted: they are held in any case. No environment variable or
+# allocator is needed, in eager Keras 3 and tf_keras alike. The same traced
+# step is what `_memory` times.
+_VIEWS = frozenset(("Identity", "IdentityN", "Reshape", "ExpandDims", "Squeeze", "StopGradient", "Snapshot"))
+
+
+def measure_unit(layer, args, kwargs, policy, timed=True):
+    """What one call of `layer` keeps for its backward, and a step of it to time.
+
+    Args:
+        layer: the layer, its `call` set to the option being measured.
+        args: positional arguments of a recorded call (tensors, masks attached).
+        kwargs: keyword arguments of it.
+        policy: the option's name (the graph shows what it keeps: unused here).
+        timed: whether to return a step (else None).
+
+    Returns:
+        `(kept_bytes, largest_bytes, step)`: bytes the forward keeps beyond
+        the inputs and variables, the largest tensor among them, and a
+        function that runs one forward and backward (already warmed up).
+    """
+    del policy
+    if not tf.executing_eagerly():
+        raise RecomputeError(
+            "keras_recompute: planning to a budget measures each unit by running it, which needs eager "
+            "TensorFlow (TF2 behaviour); in a TF1-style graph (disable_eager_execution) pass limit= or "
+            "policy= to recompute_model by hand."
+        )
+    flat = list(_context.leaves((args, kwargs)))
+    positions = [i for i, leaf in enumerate(flat) if _is_differentiable(leaf)]
+    variables = [_tf_variable(v) for v in layer.trainable_weights]
+    forward_ops = {}
+
+    def step(*differentiated):
+        leaves = list(flat)
+        for position, value in zip(positions, differentiated):
+            leaves[position] = value
+        _context.copy_masks([flat[p] for p in positions], differentiated)
+        call_args, call_kwargs = _rebuild((args, kwargs), iter(leaves))
+        with tf.GradientTape() as tape:
+            tape.watch(differentiated)
+            outputs = layer(*call_args, **call_kwargs)
+            loss = tf.add_n([tf.reduce_sum(tf.cast(o, tf.float32)) for o in tf.nest.flatten(outputs) if _is_differentiable(o)])
+        forward_ops["count"] = len(tf.compat.v1.get_default_graph().get_operations())
+        gradients = tape.gradient(loss, list(differentiated) + variables)
+        return [g for g in gradients if g is not None]
+
+    function = tf.function(step, autograph=False)
+    values = [flat[p] for p in positions]
+    concrete = function.get_concrete_function(*values)
+    kept, largest = _kept_bytes(concrete.graph.get_operations(), forward_ops["count"])
+    if not timed:
+        return kept, largest, None
+    concrete(*values)
+    return kept, largest, lambda: concrete(*values)
+
+
+def _kept_bytes(operations, forward_count):
+    forward = set(operations[:forward_count])
+    counted, total, largest = set(), 0, 0
+    for operation in operations[forward_count:]:
+        for tensor in operation.inputs:
+            if tensor.op not in forward:
+                continue
+            while tensor.op.type in _VIEWS and tensor.op.inputs:
+                tensor = tensor.op.inputs[0]
+            if tensor.op.type in ("Placeholder", "Const", "VarHandleOp") or tensor.dtype == tf.resource:
+                continue
+            if tensor.ref() in counted or tensor.shape.num_elements() is None:
+                continue
+            counted.add(tensor.ref())
+            size = tensor.shape.num_elements() * tensor.dtype.size
+            total, largest = total + size, max(largest, size)
+    return total, largest
+
+
+def _rebuild(tree, values):
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_rebuild(item, values) for item in tree)
+    if isinstance(tree, dict):
+        return {key: _rebuild(item, values) for key, item in tree.items()}
+    return next(values)

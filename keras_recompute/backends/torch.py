@@ -35,6 +35,7 @@ import contextlib
 import keras
 import torch
 from torch.utils import checkpoint as torch_checkpoint
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from keras_recompute import _policy
 from keras_recompute.backends import _keras3
@@ -128,3 +129,104 @@ class _Recomputing:
     def __exit__(self, *exc_info):
         return self._stack.__exit__(*exc_info)
 
+
+
+# NOTE [ measuring a unit on PyTorch ]
+# Saved-tensor hooks see every tensor autograd keeps for the backward, and
+# torch's checkpoint saves the call's inputs under them (the recomputed
+# internals go to its own hooks, nested inside ours). Counted once per storage,
+# without the weights and the call's inputs (held anyway), they are what the
+# unit keeps. Under `"save_dots"` the selective checkpoint also keeps the
+# outputs of the matmuls its policy marks, in a cache the hooks do not see: a
+# dispatch mode adds them up with the same test (`_save_dots`). Its forward and
+# backward is what `_memory` times.
+
+
+def measure_unit(layer, args, kwargs, policy, timed=True):
+    """What one call of `layer` keeps for its backward, and a step of it to time.
+
+    Args:
+        layer: the layer, its `call` set to the option being measured.
+        args: positional arguments of a recorded call.
+        kwargs: keyword arguments of it.
+        policy: the option's name: `"save_dots"` adds the matmul outputs its
+            checkpoint keeps.
+        timed: whether to return a step (else None).
+
+    Returns:
+        `(kept_bytes, largest_bytes, step)`, as on TensorFlow.
+    """
+    weights = [v.value for v in layer.trainable_variables]
+
+    def run(measure):
+        flat, spec = _flatten((args, kwargs))
+        inputs = []
+        for index, leaf in enumerate(flat):
+            if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+                copy = leaf.detach().clone().requires_grad_(True)
+                mask = _keras3.get_mask(leaf)
+                if mask is not None:
+                    _keras3.set_mask(copy, mask)
+                flat[index] = copy
+                inputs.append(copy)
+        call_args, call_kwargs = _unflatten(spec, iter(flat))
+        held = {t.untyped_storage().data_ptr() for t in weights + inputs}
+        kept = {}
+
+        def pack(tensor):
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in held:
+                kept[storage.data_ptr()] = storage.nbytes()
+            return tensor
+
+        dots = _DotBytes() if measure and policy == _policy.SAVE_DOTS else contextlib.nullcontext()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), dots:
+            outputs = layer(*call_args, **call_kwargs)
+        if measure:  # no backward: what the forward keeps is known, and is freed with `outputs`
+            sizes = list(kept.values()) + (dots.sizes if policy == _policy.SAVE_DOTS else [])
+            return sum(sizes), max(sizes, default=0)
+        float_outputs = [o for o in keras.tree.flatten(outputs) if isinstance(o, torch.Tensor) and o.requires_grad]
+        loss = sum(o.float().sum() for o in float_outputs)
+        wanted = [t for t in inputs + weights if t.requires_grad]
+        torch.autograd.grad(loss, wanted, allow_unused=True)
+        return None
+
+    kept, largest = run(measure=True)
+    return kept, largest, (lambda: run(measure=False)) if timed else None
+
+
+class _DotBytes(TorchDispatchMode):
+    """Adds up the bytes of the outputs `_save_dots` marks to keep."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if _save_dots(None, func, *args) == torch_checkpoint.CheckpointPolicy.MUST_SAVE:
+            self.sizes.append(out.untyped_storage().nbytes() if isinstance(out, torch.Tensor) else 0)
+        return out
+
+
+def _flatten(tree):
+    flat = []
+
+    def visit(node):
+        if isinstance(node, (list, tuple)):
+            return (type(node), [visit(item) for item in node])
+        if isinstance(node, dict):
+            return (dict, {key: visit(item) for key, item in node.items()})
+        flat.append(node)
+        return None
+
+    return flat, visit(tree)
+
+
+def _unflatten(spec, values):
+    if spec is None:
+        return next(values)
+    kind, items = spec
+    if kind is dict:
+        return {key: _unflatten(item, values) for key, item in items.items()}
+    return kind(_unflatten(item, values) for item in items)

@@ -1,0 +1,222 @@
+"""Planning to a memory budget: the budget's forms, the peak of a plan, and the solver.
+
+Plain numbers only: no framework is imported here. What each unit's options
+keep and cost is measured by the backends (`measure_unit` in each backend's
+file); `_memory` gathers those numbers into `UnitCosts` and applies the plan.
+
+NOTE [ the peak of a plan ]
+A training step keeps, through its forward, what each unit's option keeps
+(`kept`: nothing but its inputs for `"full"`, everything its backward reads
+for `"none"`), plus what lies outside the units (embeddings, a head), plus
+what stays resident (weights, optimizer slots, the batch). The backward then
+runs the units last to first. While it runs unit i:
+  * the units before it still hold what they kept (the prefix sum of `kept`);
+  * the gradients of the weights of unit i and every unit after it exist
+    (Keras applies them all at once, after the backward);
+  * unit i holds its transient: the gradients flowing in and out of it
+    (twice its output) and those of its largest intermediate as its backward
+    makes them (attention's softmax has the gradients of its probabilities
+    and of its scores alive at once: twice the largest tensor it keeps).
+    Recomputed, it also holds what its recompute makes again (`none`'s kept
+    minus its option's kept), which its backward frees as it goes: by the
+    softmax's gradient, what came after it is gone (one largest tensor, not
+    two, on top). Calibrated on TensorFlow's BFC peak of a 12-block encoder
+    (benchmarks/budget.py), and checked there on JAX and PyTorch.
+Every option keeps the unit's inputs: its first layers save them, or its
+recompute starts from them.
+So the peak is `resident + outside + max over i of (kept[0..i] + gradients[i..]
++ transient[i])`, and at the very end, `resident + all gradients + outside`.
+That maximum over a prefix is what makes this more than a knapsack: the
+solver walks the units in order with the prefix sum as its state.
+
+NOTE [ the solver ]
+For each unit, one option (`"none"` and the policies that apply to it), each
+with the bytes it keeps, its transient and the seconds its recompute costs.
+Minimize the total seconds subject to every unit's point of the backward
+staying within the budget. A dynamic program over units in order, whose state
+is the prefix sum of kept bytes, in quanta (`quanta` of them up to the
+budget): of the prefixes that fall in one quantum, the fastest is kept (the
+one that keeps less on a tie). Sums and constraints use exact bytes, so a plan
+it returns never predicts more than the budget; it may miss the fastest plan
+only where two prefixes within one quantum trade time for memory. Of plans
+alike in time (units alike), it takes the one that recomputes the earlier
+units, as Megatron's "block" method does: their recompute comes last in the
+backward, when the later units have freed what they kept, and the measured
+peak is lower than with the same units recomputed late (475 against 493 MiB
+for 6 of 12 blocks in benchmarks/budget.py). O(units x options x quanta):
+milliseconds for a 48-block model.
+"""
+
+import math
+import re
+
+NONE = "none"
+
+_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_budget(budget):
+    """Reads a budget: `("bytes", n)` for a size, `("fraction", f)` for a float in (0, 1].
+
+    Args:
+        budget: an int (bytes), a string with a unit (`"512MB"`, `"12GiB"`;
+            MB and GB are powers of 10, MiB and GiB powers of 2), or a float
+            in (0, 1], a fraction of the plain model's activation memory.
+
+    Raises:
+        ValueError: if `budget` is none of these, or not positive.
+    """
+    hint = (
+        "Pass a number of bytes (an int), a size with a unit ('512MB', '12GiB'), or a float in (0, 1], "
+        "the fraction of the plain model's activation memory to keep."
+    )
+    if isinstance(budget, bool):
+        raise ValueError(f"keras_recompute: recompute_model(budget=...) got {budget!r}. {hint}")
+    if isinstance(budget, int):
+        if budget <= 0:
+            raise ValueError(f"keras_recompute: recompute_model(budget=...) got {budget!r} bytes. {hint}")
+        return "bytes", budget
+    if isinstance(budget, float):
+        if not (0.0 < budget <= 1.0) or math.isnan(budget):
+            raise ValueError(
+                f"keras_recompute: recompute_model(budget=...) got the float {budget!r}; a float is a fraction "
+                f"and must lie in (0, 1]. {hint}"
+            )
+        return "fraction", budget
+    if isinstance(budget, str):
+        match = _SIZE.match(budget)
+        unit = match.group(2).lower() if match else None
+        if match and (unit or "b") in _UNITS:
+            size = float(match.group(1)) * _UNITS[unit or "b"]
+            if size >= 1:
+                return "bytes", int(size)
+        raise ValueError(
+            f"keras_recompute: recompute_model(budget=...) could not read {budget!r} as a size. {hint} "
+            f"Units: {', '.join(_UNITS)} (any case)."
+        )
+    raise ValueError(
+        f"keras_recompute: recompute_model(budget=...) got {budget!r} of type {type(budget).__name__}. {hint}"
+    )
+
+
+def format_bytes(size):
+    """`size` bytes in the unit that reads best (MB or GB, powers of 10, as the budget's "MB")."""
+    if abs(size) >= 10**9:
+        return f"{size / 10**9:.2f} GB"
+    return f"{size / 10**6:.1f} MB"
+
+
+class Option:
+    """One way to run a unit: what it keeps through the forward, its transient, its time."""
+
+    def __init__(self, policy, kept, transient, seconds):
+        self.policy = policy
+        self.kept = int(kept)
+        self.transient = int(transient)
+        self.seconds = float(seconds)
+
+    def __repr__(self):
+        return f"Option({self.policy!r}, kept={self.kept}, transient={self.transient}, seconds={self.seconds:.4g})"
+
+
+class UnitCosts:
+    """A unit's options (by policy name, `"none"` included) and the bytes of its weights' gradients."""
+
+    def __init__(self, name, options, gradient_bytes):
+        self.name = name
+        self.options = dict(options)
+        self.gradient_bytes = int(gradient_bytes)
+
+
+class Model:
+    """Everything a plan's peak depends on besides the units' choices (NOTE [ the peak of a plan ])."""
+
+    def __init__(self, units, resident, outside, outside_gradient_bytes):
+        self.units = list(units)
+        self.resident = int(resident)
+        self.outside = int(outside)
+        self.outside_gradient_bytes = int(outside_gradient_bytes)
+
+    def peak(self, choice):
+        """The predicted peak, in bytes, with `choice[i]` the policy of unit i (`"none"`: kept)."""
+        peak = self.resident + self.outside + self.outside_gradient_bytes + sum(u.gradient_bytes for u in self.units)
+        kept = 0
+        for index, (unit, policy) in enumerate(zip(self.units, choice)):
+            option = unit.options[policy]
+            kept += option.kept
+            peak = max(peak, self._base(index) + kept + option.transient)
+        return peak
+
+    def seconds(self, choice):
+        return sum(unit.options[policy].seconds for unit, policy in zip(self.units, choice))
+
+    def activation_bytes(self, choice):
+        """What the forward keeps, outside and in the units: the part a fraction budget scales."""
+        return self.outside + sum(unit.options[policy].kept for unit, policy in zip(self.units, choice))
+
+    def _base(self, index):
+        """Resident, outside, and the gradients that exist while unit `index`'s backward runs."""
+        return self.resident + self.outside + sum(u.gradient_bytes for u in self.units[index:])
+
+    def floor(self):
+        """The least peak any plan reaches, to 0.1% (the solver, bisected over budgets)."""
+        plain = self.peak([NONE] * len(self.units))
+        low, high = self.resident + self.outside, plain
+        while high - low > max(1, high // 1000):
+            middle = (low + high) // 2
+            low, high = (low, middle) if solve(self, middle) is not None else (middle, high)
+        choice = solve(self, high)
+        return self.peak(choice) if choice is not None else plain
+
+
+def solve(model, budget, quanta=2000):
+    """The choice of options, one per unit, that fits `budget` bytes with the least recompute time.
+
+    Args:
+        model: a `Model`.
+        budget: the peak allowed, in bytes.
+        quanta: how finely kept memory is counted (NOTE [ the solver ]).
+
+    Returns:
+        A list of policy names, one per unit; `None` if no choice fits.
+    """
+    if not model.units:
+        return [] if model.peak([]) <= budget else None
+    room = budget - model.resident - model.outside
+    if room < 0:
+        return None
+    quantum = max(1, math.ceil(room / quanta))
+    # best[k] = (seconds, kept, choices): the fastest prefix whose kept bytes fall in quantum k.
+    best = {0: (0.0, 0, ())}
+    for index, unit in enumerate(model.units):
+        gradients = sum(u.gradient_bytes for u in model.units[index:])
+        following = {}
+        for seconds, kept, choices in best.values():
+            for policy, option in unit.options.items():
+                total = kept + option.kept
+                if total + option.transient + gradients > room:
+                    continue
+                key = total // quantum
+                # Of plans alike in time, the one that recomputes earlier units (NOTE [ the solver ]).
+                later = 0.0 if policy == NONE else 1e-9 * index
+                candidate = (seconds + option.seconds + later, total, choices + (policy,))
+                if key not in following or candidate[:2] < following[key][:2]:
+                    following[key] = candidate
+        best = following
+        if not best:
+            return None
+    for _, _, choices in sorted(best.values(), key=lambda entry: entry[:2]):
+        if model.peak(list(choices)) <= budget:
+            return list(choices)
+    return None

@@ -1,0 +1,362 @@
+"""What each unit's options keep and cost, measured; `memory_report` shows it.
+
+NOTE [ measuring a model's units ]
+The costs are measured on the model itself, at the batch the user gives:
+  1. one forward of the model in training mode records each unit's call
+     (its arguments, masks attached, and the size of its outputs);
+  2. each unit is then run alone on those arguments, once per option (no
+     recompute, and each policy that applies to it), by its backend's
+     `measure_unit`: the bytes its forward keeps for the backward (read from
+     the autodiff itself: the graph's tensors the gradient reads on
+     TensorFlow, the residuals of `jax.vjp` on JAX, saved-tensor hooks on
+     PyTorch) and the seconds of its forward and backward;
+  3. the whole model is measured the same way with every unit recomputed,
+     which gives what is kept outside the units (embeddings, a head); where
+     measuring runs the forward (PyTorch), it so holds no more than full
+     recompute keeps, never the plain model's activations. Nothing measured
+     runs the plain model's whole backward.
+Units alike (class, weights, argument shapes) are measured once. Variables
+the forward assigns (seed states, moving statistics) are put back after, so
+measuring changes nothing in the model. The result is kept on the model per
+input shape: planning again, or a report after a plan, measures nothing.
+A unit's recompute time is its step's time with the option minus without.
+"""
+
+import contextlib
+import re
+import time
+
+from keras_recompute import _budget, _context, _policy
+
+_COSTS = "_keras_recompute_costs"
+_REPEATS = 9
+
+
+class MemoryReport:
+    """The plan of a model at one batch: each unit's options, and the predicted peak of a step.
+
+    Attributes:
+        rows: one dict per unit: `"name"`, `"policy"` (applied now, `"none"`
+            if it does not recompute), `"kept_bytes"` and `"recompute_seconds"`
+            (each a dict by option).
+        predicted_peak: the predicted peak of one training step as the model
+            stands, in bytes (NOTE [ the peak of a plan ] in `_budget`).
+        resident: the part of it that is weights, optimizer slots and the batch.
+        floor: the least peak any plan over these units reaches.
+        plain_peak: the predicted peak with no unit recomputed.
+        measure_seconds: what measuring the units took (0 when it was cached).
+    """
+
+    def __init__(self, title, rows, predicted_peak, resident, floor, plain_peak, measure_seconds):
+        self.title = title
+        self.rows = rows
+        self.predicted_peak = predicted_peak
+        self.resident = resident
+        self.floor = floor
+        self.plain_peak = plain_peak
+        self.measure_seconds = measure_seconds
+
+    def __str__(self):
+        options = []
+        for row in self.rows:
+            options += [o for o in row["kept_bytes"] if o not in options]
+        header = ["unit", "policy"] + [f"keeps ({o})" for o in options] + [f"recompute s ({o})" for o in options[1:]]
+        lines = [header]
+        for row in self.rows:
+            kept = [_budget.format_bytes(row["kept_bytes"][o]) if o in row["kept_bytes"] else "-" for o in options]
+            seconds = [
+                f"{row['recompute_seconds'][o]:.4f}" if o in row["recompute_seconds"] else "-" for o in options[1:]
+            ]
+            lines.append([row["name"], row["policy"]] + kept + seconds)
+        widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+        text = [self.title]
+        for index, line in enumerate(lines):
+            text.append("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip())
+            if index == 0:
+                text.append("  ".join("-" * width for width in widths))
+        text.append(
+            f"predicted peak of a training step: {_budget.format_bytes(self.predicted_peak)} "
+            f"(weights, optimizer and batch {_budget.format_bytes(self.resident)}; with no recompute "
+            f"{_budget.format_bytes(self.plain_peak)}; the least any plan reaches {_budget.format_bytes(self.floor)})"
+        )
+        return "\n".join(text)
+
+    def __repr__(self):
+        return f"<MemoryReport {len(self.rows)} units, predicted peak {_budget.format_bytes(self.predicted_peak)}>"
+
+
+def report(model, units, inputs, current):
+    """The `MemoryReport` of `units` of `model` at `inputs`; `current[i]` is unit i's policy now."""
+    measured, seconds = costs(model, units, inputs)
+    rows = []
+    for unit, unit_costs, policy in zip(units, measured.units, current):
+        options = unit_costs.options
+        rows.append(
+            {
+                "name": unit.name,
+                "policy": policy,
+                "kept_bytes": {o: option.kept for o, option in options.items()},
+                "recompute_seconds": {o: option.seconds for o, option in options.items() if o != _budget.NONE},
+            }
+        )
+    plain = measured.peak([_budget.NONE] * len(units))
+    predicted = compiled_peak(model, inputs, measured)
+    if predicted is None:
+        predicted = measured.peak(current)
+    elif all(policy == _budget.NONE for policy in current):
+        plain = predicted
+    title = f"keras_recompute memory report: {model.name!r}, {len(units)} units, {_backend_name(model)}"
+    return MemoryReport(title, rows, predicted, measured.resident, measured.floor(), plain, seconds)
+
+
+def compiled_peak(model, inputs, measured):
+    """The peak of a step of `model` as it stands, where a compiler states it (JAX), else None.
+
+    NOTE [ checking a plan on JAX ] in `backends/jax.py`.
+    """
+    step_bytes = getattr(_measuring_backend(model), "step_bytes", None)
+    if step_bytes is None:
+        return None
+    return measured.resident + step_bytes(model, inputs)
+
+
+def costs(model, units, inputs):
+    """The `_budget.Model` of `model` at `inputs`, measured or cached, and the seconds measuring took."""
+    key = (tuple(id(unit) for unit in units), _signature(inputs))
+    cache = model.__dict__.get(_COSTS)
+    if cache is not None and cache.key == key:
+        return cache.model, 0.0
+    start = time.perf_counter()
+    measured = _measure(model, units, inputs, _measuring_backend(model))
+    object.__setattr__(model, _COSTS, _Cached(key, measured))
+    return measured, time.perf_counter() - start
+
+
+def _measuring_backend(model):
+    """The backend module whose `measure_unit` measures `model`: Keras 3's backend, or TensorFlow."""
+    import importlib
+
+    from keras_recompute.backends import _keras3
+
+    name = _keras3.backend_name() if _keras3.is_layer(model) else "tensorflow"
+    return importlib.import_module(f"keras_recompute.backends.{name}")
+
+
+def _backend_name(model):
+    from keras_recompute.backends import _keras3
+
+    return f"Keras 3 on {_keras3.backend_name()}" if _keras3.is_layer(model) else "tf_keras"
+
+
+class _Cached:
+    """Not a dict or list: Keras's saving walks a model's attributes (see `_model._Plan`)."""
+
+    def __init__(self, key, model):
+        self.key = key
+        self.model = model
+
+
+def options_of(unit):
+    """The policies that apply to `unit`, `"none"` first."""
+    options = [_budget.NONE, _policy.FULL, _policy.SAVE_DOTS]
+    if _policy.attention_layers(unit):
+        options.append(_policy.ATTENTION_CORE)
+    return options
+
+
+def _measure(model, units, inputs, backend):
+    from keras_recompute._decorator import _undecorated, recompute_grad
+
+    state = [v for v in model.variables if not _trainable(v)]
+    saved = [_numpy(v) for v in state]
+    try:
+        records = _record(model, units, inputs, backend)
+        costs_by_kind, unit_costs = {}, []
+        for unit in units:
+            args, kwargs, sizes = records[id(unit)]
+            kind = _unit_kind(unit, args, kwargs)
+            if kind not in costs_by_kind:
+                costs_by_kind[kind] = _measure_options(unit, args, kwargs, backend, _undecorated(unit.call), recompute_grad)
+            unit_costs.append(_unit_costs(unit, costs_by_kind[kind], *sizes))
+        whole = _whole_model_kept(model, units, inputs, backend, _undecorated, recompute_grad)
+        outside = max(0, whole - sum(u.options[_policy.FULL].kept for u in unit_costs))
+        resident = _variable_bytes(model.variables) + _optimizer_bytes(model) + _tensor_bytes(inputs)
+        unit_gradients = sum(u.gradient_bytes for u in unit_costs)
+        outside_gradients = max(0, _variable_bytes(model.trainable_variables) - unit_gradients)
+        return _budget.Model(unit_costs, resident, outside, outside_gradients)
+    finally:
+        for variable, value in zip(state, saved):
+            variable.assign(value)
+
+
+def _measure_options(unit, args, kwargs, backend, base, recompute_grad):
+    """`{option: (kept, largest, seconds)}` for one unit; the options' steps are timed in turns."""
+    measured, steps = {}, {}
+    for option in options_of(unit):
+        call = base if option == _budget.NONE else recompute_grad(base, enabled=True, policy=option)
+        with _context.instance_attribute(unit, "call", call):
+            kept, largest, step = backend.measure_unit(unit, args, kwargs, option)
+        measured[option] = (kept, largest)
+        steps[option] = _patched(unit, call, step)
+    # In turns, so that a slower spell of the machine falls on every option alike; the fastest counts.
+    seconds = {option: float("inf") for option in steps}
+    for _ in range(_REPEATS):
+        for option, step in steps.items():
+            start = time.perf_counter()
+            step()
+            seconds[option] = min(seconds[option], time.perf_counter() - start)
+    return {option: measured[option] + (seconds[option],) for option in measured}
+
+
+def _patched(unit, call, step):
+    def run():
+        with _context.instance_attribute(unit, "call", call):
+            step()
+
+    return run
+
+
+def _unit_costs(unit, measured, input_bytes, output_bytes):
+    """A unit's options from its measurements (NOTE [ the peak of a plan ] in `_budget`)."""
+    kept_none, largest, seconds_none = measured[_budget.NONE]
+    options = {}
+    for option, (kept, _, seconds) in measured.items():
+        if option == _budget.NONE:
+            transient = 2 * output_bytes + 2 * largest
+        else:
+            transient = 2 * output_bytes + largest + max(0, kept_none - kept)
+        extra = 0.0 if option == _budget.NONE else max(seconds - seconds_none, 1e-6)
+        # Every option holds the unit's inputs: its first layers save them, or the recompute needs them.
+        options[option] = _budget.Option(option, input_bytes + kept, transient, extra)
+    return _budget.UnitCosts(unit.name, options, _variable_bytes(unit.trainable_variables))
+
+
+def _record(model, units, inputs, backend):
+    """`{id(unit): (args, kwargs, (input_bytes, output_bytes))}` from one training-mode forward of `model`."""
+    records = {}
+    with contextlib.ExitStack() as stack:
+        for unit in units:
+            stack.enter_context(_context.instance_attribute(unit, "call", _recorder(unit, unit.call, records)))
+        with _no_gradient(backend):
+            model(inputs, training=True)
+    missing = [unit.name for unit in units if id(unit) not in records]
+    if missing:
+        raise ValueError(
+            f"keras_recompute: a forward of {model.name!r} on `inputs` did not call the units {missing}: "
+            "pass inputs= as the model takes them in training."
+        )
+    return records
+
+
+def _recorder(unit, call, records):
+    def record(*args, **kwargs):
+        outputs = call(*args, **kwargs)
+        records.setdefault(id(unit), (args, kwargs, (_float_bytes((args, kwargs)), _float_bytes(outputs))))
+        return outputs
+
+    return record
+
+
+def _no_gradient(backend):
+    if backend.__name__.endswith(".torch"):
+        import torch
+
+        return torch.no_grad()
+    return contextlib.nullcontext()
+
+
+def _whole_model_kept(model, units, inputs, backend, undecorated, recompute_grad):
+    """What the whole model keeps with every unit recomputed ("full"): its units' inputs, and the rest.
+
+    Measured with the units recomputed, not plain: where the measurement runs
+    the forward (PyTorch), it then holds no more than full recompute keeps,
+    not the plain model's activations, which may be what does not fit.
+    """
+    with contextlib.ExitStack() as stack:
+        for unit in units:
+            full = recompute_grad(undecorated(unit.call), enabled=True, policy=_policy.FULL)
+            stack.enter_context(_context.instance_attribute(unit, "call", full))
+        kept, _, _ = backend.measure_unit(model, (inputs,), {"training": True}, _policy.FULL, timed=False)
+    return kept
+
+
+def _unit_kind(unit, args, kwargs):
+    """Units of one kind keep and cost the same: one class, weights and arguments alike."""
+    leaves = []
+    for leaf in _context.leaves((args, kwargs)):
+        if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+            leaves.append((tuple(leaf.shape), str(leaf.dtype), _context.get_mask(leaf) is not None))
+        else:
+            leaves.append(repr(leaf))
+    weights = tuple((tuple(v.shape), str(v.dtype), bool(v.trainable)) for v in unit.weights)
+    return (type(unit), weights, tuple(leaves), tuple(sorted(kwargs)), tuple(options_of(unit)))
+
+
+def _signature(inputs):
+    return tuple(
+        (tuple(leaf.shape), str(leaf.dtype)) if hasattr(leaf, "shape") else repr(leaf)
+        for leaf in _context.leaves(inputs)
+    )
+
+
+def _trainable(variable):
+    return bool(getattr(variable, "trainable", False))
+
+
+def _numpy(variable):
+    import numpy
+
+    return numpy.array(variable.numpy() if hasattr(variable, "numpy") else variable)
+
+
+def _itemsize(dtype):
+    name = getattr(dtype, "name", None) or str(dtype)
+    if name.startswith("torch."):
+        name = name[len("torch.") :]
+    if name in ("bool", "int8", "uint8", "float8_e4m3fn", "float8_e5m2"):
+        return 1
+    digits = re.findall(r"\d+", name)
+    return max(1, int(digits[-1]) // 8) if digits else 4
+
+
+def _shape_bytes(shape, dtype):
+    count = 1
+    for dim in shape:
+        count *= int(dim)
+    return count * _itemsize(dtype)
+
+
+def _variable_bytes(variables):
+    seen, total = set(), 0
+    for variable in variables:
+        if id(variable) not in seen:
+            seen.add(id(variable))
+            total += _shape_bytes(variable.shape, variable.dtype)
+    return total
+
+
+def _float_bytes(tree):
+    return _tensor_bytes([leaf for leaf in _context.leaves(tree) if "float" in str(getattr(leaf, "dtype", ""))])
+
+
+def _tensor_bytes(tree):
+    total = 0
+    for leaf in _context.leaves(tree):
+        if hasattr(leaf, "shape") and hasattr(leaf, "dtype") and not isinstance(leaf, type):
+            total += _shape_bytes(leaf.shape, leaf.dtype)
+    return total
+
+
+def _optimizer_bytes(model):
+    """The optimizer's variables, built as `fit` would build them (Adam: two per weight)."""
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None:
+        return 0
+    if not getattr(optimizer, "built", True) and hasattr(optimizer, "build"):
+        try:
+            optimizer.build(model.trainable_variables)
+        except Exception:  # a legacy tf_keras optimizer builds its slots itself
+            return 0
+    variables = getattr(optimizer, "variables", [])
+    variables = variables() if callable(variables) else variables
+    return _variable_bytes(variables)

@@ -1,0 +1,130 @@
+"""The budget's forms and the solver, on plain numbers (no framework).
+
+The solver is checked against brute force over every choice on random
+models: it must find a plan exactly when one fits, never predict more than
+the budget, and cost at most one quantum's worth more than the best plan.
+"""
+
+import itertools
+import random
+
+import pytest
+
+from keras_recompute import _budget
+from keras_recompute._budget import Model, Option, UnitCosts, parse_budget, solve
+
+
+@pytest.mark.parametrize(
+    "budget, expected",
+    [
+        (1000, ("bytes", 1000)),
+        ("512MB", ("bytes", 512 * 10**6)),
+        ("512 mb", ("bytes", 512 * 10**6)),
+        ("12GiB", ("bytes", 12 * 2**30)),
+        ("1.5GB", ("bytes", 1_500_000_000)),
+        ("300KiB", ("bytes", 300 * 1024)),
+        ("4096", ("bytes", 4096)),
+        (0.5, ("fraction", 0.5)),
+        (1.0, ("fraction", 1.0)),
+    ],
+)
+def test_budget_forms(budget, expected):
+    assert parse_budget(budget) == expected
+
+
+@pytest.mark.parametrize(
+    "budget, match",
+    [
+        (0, "0 bytes"),
+        (-5, "-5 bytes"),
+        (0.0, "must lie in"),
+        (1.5, "must lie in"),
+        (float("nan"), "must lie in"),
+        ("12 apples", "could not read '12 apples'"),
+        ("GB", "could not read 'GB'"),
+        ("", "could not read ''"),
+        (True, "got True"),
+        ([1], r"got \[1\] of type list"),
+    ],
+)
+def test_bad_budgets_say_what_and_how(budget, match):
+    with pytest.raises(ValueError, match=match) as raised:
+        parse_budget(budget)
+    assert "keras_recompute: " in str(raised.value) and "'12GiB'" in str(raised.value)
+
+
+def _random_model(rng, units):
+    made = []
+    for index in range(units):
+        none_kept = rng.randint(50, 200)
+        options = {"none": Option("none", none_kept, rng.randint(5, 20), 0.0)}
+        for policy in ("full", "save_dots", "attention_core")[: rng.randint(1, 3)]:
+            kept = rng.randint(0, none_kept)
+            options[policy] = Option(policy, kept, options["none"].transient + none_kept - kept, rng.uniform(0.1, 1.0))
+        made.append(UnitCosts(f"unit_{index}", options, rng.randint(1, 30)))
+    return Model(made, resident=rng.randint(0, 100), outside=rng.randint(0, 50), outside_gradient_bytes=rng.randint(0, 20))
+
+
+def _brute_force(model, budget):
+    best = None
+    for choice in itertools.product(*[list(u.options) for u in model.units]):
+        if model.peak(list(choice)) <= budget:
+            seconds = model.seconds(list(choice))
+            if best is None or seconds < best:
+                best = seconds
+    return best
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_solver_finds_the_fastest_plan_that_fits(seed):
+    rng = random.Random(seed)
+    model = _random_model(rng, rng.randint(1, 5))
+    plain = model.peak(["none"] * len(model.units))
+    budget = rng.randint(int(model.floor() * 0.9), plain + 10)
+    best = _brute_force(model, budget)
+    choice = solve(model, budget, quanta=100000)
+    if best is None:
+        assert choice is None
+        return
+    assert choice is not None, "a plan fits, the solver found none"
+    assert model.peak(choice) <= budget
+    assert model.seconds(choice) == pytest.approx(best)
+
+
+def test_coarse_quanta_stay_within_the_budget():
+    rng = random.Random(7)
+    for _ in range(20):
+        model = _random_model(rng, 6)
+        budget = (model.floor() + model.peak(["none"] * 6)) // 2
+        choice = solve(model, budget, quanta=50)
+        assert choice is not None and model.peak(choice) <= budget
+
+
+def test_the_peak_counts_the_prefix_the_gradients_and_the_transient():
+    units = [
+        UnitCosts("a", {"none": Option("none", 100, 10, 0), "full": Option("full", 0, 110, 1)}, 5),
+        UnitCosts("b", {"none": Option("none", 100, 10, 0), "full": Option("full", 0, 110, 1)}, 5),
+    ]
+    model = Model(units, resident=1000, outside=50, outside_gradient_bytes=7)
+    # Unit b's backward: both units' kept, b's gradients, b's transient.
+    assert model.peak(["none", "none"]) == 1000 + 50 + 100 + 100 + 5 + 10
+    # With b recomputed, its recompute (110) on top of a's kept (100) and b's gradients.
+    assert model.peak(["none", "full"]) == 1000 + 50 + 100 + 5 + 110
+    # Unit a's backward with a recomputed: a's transient, both units' gradients.
+    assert model.peak(["full", "none"]) == max(1000 + 50 + 100 + 5 + 10, 1000 + 50 + 0 + 10 + 110)
+    # Recomputing the last unit saves nothing (its recompute comes back at once); the first one does.
+    assert model.peak(["none", "none"]) == model.peak(["none", "full"]) == 1265
+    assert solve(model, 1264) == ["full", "none"] and model.peak(["full", "none"]) == 1170
+    assert solve(model, 1169) is None and model.floor() == 1170
+
+
+def test_format_bytes():
+    assert _budget.format_bytes(512 * 10**6) == "512.0 MB"
+    assert _budget.format_bytes(12 * 10**9) == "12.00 GB"
+
+
+def test_of_plans_alike_in_time_the_earlier_units_recompute():
+    option = {"none": Option("none", 100, 10, 0), "full": Option("full", 0, 110, 1)}
+    model = Model([UnitCosts(f"unit_{i}", option, 0) for i in range(6)], resident=0, outside=0, outside_gradient_bytes=0)
+    budget = model.peak(["full"] * 3 + ["none"] * 3)
+    assert solve(model, budget) == ["full"] * 3 + ["none"] * 3
