@@ -295,11 +295,11 @@ def _check_budget_options(budget, inputs, limit, policy):
 def _planned_policies(model, units, budget, inputs):
     """Each unit's policy (or `"none"`) from the solver, under `budget` (NOTE [ the solver ])."""
     kind, value = _budget.parse_budget(budget)
-    costs, _ = _memory.costs(model, units, inputs)
     plain = [_budget.NONE] * len(units)
+    if kind == "fraction" and value >= 1.0:
+        return plain  # all the activations may stay: nothing to measure
+    costs, _ = _memory.costs(model, units, inputs)
     if kind == "fraction":
-        if value >= 1.0:
-            return plain
         value = costs.peak(plain) - (1.0 - value) * costs.activation_bytes(plain)
     policies = _budget.solve(costs, value)
     target = value
