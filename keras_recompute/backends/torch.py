@@ -159,7 +159,7 @@ def measure_unit(layer, args, kwargs, policy, timed=True):
     weights = [v.value for v in layer.trainable_variables]
 
     def run(measure):
-        flat, spec = _flatten((args, kwargs))
+        flat = keras.tree.flatten((args, kwargs))
         inputs = []
         for index, leaf in enumerate(flat):
             if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
@@ -169,7 +169,7 @@ def measure_unit(layer, args, kwargs, policy, timed=True):
                     _keras3.set_mask(copy, mask)
                 flat[index] = copy
                 inputs.append(copy)
-        call_args, call_kwargs = _unflatten(spec, iter(flat))
+        call_args, call_kwargs = keras.tree.pack_sequence_as((args, kwargs), flat)
         held = {t.untyped_storage().data_ptr() for t in weights + inputs}
         kept = {}
 
@@ -207,26 +207,3 @@ class _DotBytes(TorchDispatchMode):
         if _save_dots(None, func, *args) == torch_checkpoint.CheckpointPolicy.MUST_SAVE:
             self.sizes.append(out.untyped_storage().nbytes() if isinstance(out, torch.Tensor) else 0)
         return out
-
-
-def _flatten(tree):
-    flat = []
-
-    def visit(node):
-        if isinstance(node, (list, tuple)):
-            return (type(node), [visit(item) for item in node])
-        if isinstance(node, dict):
-            return (dict, {key: visit(item) for key, item in node.items()})
-        flat.append(node)
-        return None
-
-    return flat, visit(tree)
-
-
-def _unflatten(spec, values):
-    if spec is None:
-        return next(values)
-    kind, items = spec
-    if kind is dict:
-        return {key: _unflatten(item, values) for key, item in items.items()}
-    return kind(_unflatten(item, values) for item in items)
