@@ -86,6 +86,13 @@ def xla_temp_bytes(model, inputs, labels):
     return compiled.memory_analysis().temp_size_in_bytes
 
 
+def planned_policies(model, inputs):
+    """The policy `recompute_model(budget=...)` gave each unit, as a short string (`-` for none)."""
+    from keras_recompute import memory_report
+
+    return " ".join({"none": "-"}.get(row["policy"], row["policy"]) for row in memory_report(model, inputs).rows)
+
+
 def rss_peak():
     """In a child: its peak resident memory in bytes (`VmHWM`)."""
     with open("/proc/self/status") as status:

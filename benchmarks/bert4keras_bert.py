@@ -62,6 +62,7 @@ def parse_args(argv=None):
     parser.add_argument("--policy", default="full", help="model: recompute_model's policy")
     parser.add_argument("--out", help="also write the results as JSON to this file")
     parser.add_argument("--child", nargs=2, metavar=("METHOD", "MODE"), help=argparse.SUPPRESS)
+    parser.add_argument("--plan-budget-mb", type=float, help=argparse.SUPPRESS)  # method budget (max_batch.py)
     return parser.parse_args(argv)
 
 
@@ -115,6 +116,16 @@ def child(args):
     token_ids = rng.randint(1, args.vocab, size=(args.batch, args.seq)).astype("int32")
     segment_ids = np.zeros((args.batch, args.seq), "int32")
     labels = rng.randint(0, 2, size=(args.batch,)).astype("int32")
+    plan = None
+    if method == "budget":  # max_batch.py: the plan for its budget at this batch (blocks are graph pieces)
+        from keras_recompute import recompute_model
+
+        try:
+            recompute_model(model, budget=int(args.plan_budget_mb * 2**20), inputs=[token_ids, segment_ids])
+        except ValueError as error:  # below the least peak any plan reaches: does not fit
+            print(json.dumps({"error": str(error)[:160]}))
+            return
+        plan = _measure.planned_policies(model, [token_ids, segment_ids])
     model.train_on_batch([token_ids, segment_ids], labels)  # builds and compiles
     tf.config.experimental.reset_memory_stats("CPU:0")
     times = []
@@ -123,13 +134,15 @@ def child(args):
         loss = float(np.asarray(model.train_on_batch([token_ids, segment_ids], labels)))
         times.append(time.perf_counter() - start)
     peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
-    print(json.dumps({"peak": peak, "step": min(times), "loss": loss}))
+    print(json.dumps({"peak": peak, "step": min(times), "loss": loss, "plan": plan}))
 
 
 def run_child(args, method, mode, extra_env=None):
     arguments = ["--child", method, mode]
     for name in ("layers", "hidden", "heads", "intermediate", "vocab", "seq", "batch", "steps", "policy"):
         arguments += [f"--{name}", getattr(args, name)]
+    if getattr(args, "plan_budget_mb", None):
+        arguments += ["--plan-budget-mb", args.plan_budget_mb]
     return _measure.run(os.path.abspath(__file__), arguments, "tensorflow", extra_env=extra_env, label=f"{method} ({mode}), batch {args.batch}")
 
 

@@ -21,8 +21,8 @@ Methods (those that apply to the model):
     attention_core  `recompute_model(model, policy="attention_core")`
     budget          `recompute_model(model, budget=<the budget>, inputs=batch)`:
                     at each batch tried, the plan with the least recompute time
-                    that fits (keras-hub: its blocks are layers; bert4keras's
-                    blocks are pieces of a graph, which planning does not take)
+                    that fits (keras-hub: over its blocks; bert4keras: over its
+                    blocks, which are pieces of its graph)
 
 Memory is the allocator's peak, and the budget is the allocator's limit: on a
 CPU TensorFlow's BFC allocator (`TF_CPU_ALLOCATOR_USE_BFC=1`) with
@@ -77,7 +77,7 @@ def parse_args(argv=None):
     parser.add_argument("--child", nargs=2, metavar=("METHOD", "BATCH"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.seq = args.seq or (128 if args.model == "bert4keras" else 512)
-    applicable = tuple(m for m in METHODS if m != ("budget" if args.model == "bert4keras" else "theirs"))
+    applicable = tuple(m for m in METHODS if args.model == "bert4keras" or m != "theirs")
     args.methods = args.methods or list(applicable)
     for method in args.methods:
         if method not in applicable:
@@ -133,7 +133,7 @@ def keras_hub_child(args):
         except ValueError as error:  # below the least peak any plan reaches: does not fit
             print(json.dumps({"error": str(error)[:160]}))
             return
-        plan = planned_policies(model, inputs)
+        plan = _measure.planned_policies(model, inputs)
     model.train_on_batch(inputs, labels)  # builds and compiles
     _measure.reset_peak(backend)
     times = []
@@ -142,13 +142,6 @@ def keras_hub_child(args):
         loss = float(np.asarray(model.train_on_batch(inputs, labels)))
         times.append(time.perf_counter() - start)
     print(json.dumps({"peak": _measure.peak(backend), "step": min(times), "loss": loss, "plan": plan}))
-
-
-def planned_policies(model, inputs):
-    """The policy `recompute_model(budget=...)` gave each unit, as a short string (`-` for none)."""
-    from keras_recompute import memory_report
-
-    return " ".join({"none": "-"}.get(row["policy"], row["policy"]) for row in memory_report(model, inputs).rows)
 
 
 def probe(args, method, batch, limited=True, steps=1):
@@ -161,6 +154,8 @@ def probe(args, method, batch, limited=True, steps=1):
         vars(child_args).update(SIZES[args.size], seq=args.seq, batch=batch, steps=steps)
         if method in POLICIES:
             child_args.policy = method
+        if method == "budget":
+            child_args.plan_budget_mb = args.budget_mb
         name = {"enable": "ours"}.get(method, "model" if method in POLICIES else method)
         return bert4keras_bert.run_child(child_args, name, "function", extra_env=limit)
     arguments = ["keras-hub", "--child", method, batch, "--size", args.size, "--seq", args.seq, "--budget-mb", args.budget_mb, "--steps", steps]

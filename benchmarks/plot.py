@@ -4,6 +4,9 @@ For each file, by the benchmark that wrote it:
     max_batch.py     memory against batch size (every probe's peak, one line per
                      method, the budget as a line), and the largest batch per method
                      with its time per sample against no recompute
+    budget.py        the trade-off: each configuration's peak memory against its step
+                     time (none, full, each uniform policy, limit=n, the planned
+                     models), with the budgets as lines
     memory.py,       peak memory and step time per method (one group per mode)
     backends.py,
     bert4keras_bert.py
@@ -106,6 +109,40 @@ def plot_table(data, path):
     plt.close(figure)
 
 
+def plot_tradeoff(data, path):
+    """Memory against time, one point per configuration of a `budget.py` run."""
+    plt = _pyplot()
+    rows = [row for row in data["results"]["rows"] if row.get("peak") and row.get("step")]
+    base = next(row for row in rows if row["config"] == "none")
+    figure, axis = plt.subplots(figsize=(7.5, 4.8))
+    seen = set()
+    for row in rows:
+        if row["config"] in seen:
+            continue  # a hand choice recurs under each budget it fits
+        seen.add(row["config"])
+        planned = row["config"].startswith("budget=")
+        kind = row["config"].split("=")[-1] if row["config"].startswith("policy=") else row["config"]
+        color = "#d62728" if planned else COLORS.get(kind, "#17becf" if kind.startswith("limit") else "#7f7f7f")
+        x, y = row["step"] / base["step"], row["peak"] / MiB
+        axis.plot(x, y, "*" if planned else "o", color=color, markersize=12 if planned else 7)
+        label = f"plan for {row['budget'] / MiB:.0f} MiB" if planned else row["config"].replace("policy=", "")
+        offset, align = ((-8, 6), "right") if planned else ((6, 4), "left")
+        axis.annotate(label, (x, y), textcoords="offset points", xytext=offset, ha=align, fontsize=7)
+    for budget in sorted({row["budget"] for row in rows if row.get("budget")}):
+        axis.axhline(budget / MiB, color="black", linestyle=":", linewidth=0.8)
+    axis.set_xlabel("step time, against no recompute")
+    axis.set_ylabel("peak memory of a training step (MiB)")
+    arguments = data["arguments"]
+    axis.set_title(
+        f"memory against time, {arguments['backend']}: {arguments['blocks']} blocks, hidden {arguments['hidden']}, "
+        f"seq {arguments['seq']}, batch {arguments['batch']}\n(dotted: the budgets; stars: recompute_model(budget=))",
+        fontsize=9,
+    )
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
 def _arguments(arguments):
     keep = ("backend", "blocks", "layers", "hidden", "seq", "batch")
     return ", ".join(f"{name} {arguments[name]}" for name in keep if arguments.get(name) is not None)
@@ -121,7 +158,8 @@ def main(argv=None):
         with open(name) as source:
             data = json.load(source)
         path = os.path.join(args.outdir, os.path.splitext(os.path.basename(name))[0] + ".png")
-        (plot_max_batch if data.get("benchmark") == "max_batch.py" else plot_table)(data, path)
+        plot = {"max_batch.py": plot_max_batch, "budget.py": plot_tradeoff}.get(data.get("benchmark"), plot_table)
+        plot(data, path)
         print(path)
 
 

@@ -93,7 +93,7 @@ def report(model, units, inputs, current):
         options = unit_costs.options
         rows.append(
             {
-                "name": unit.name,
+                "name": unit_name(unit),
                 "policy": policy,
                 "kept_bytes": {o: option.kept for o, option in options.items()},
                 "recompute_seconds": {o: option.seconds for o, option in options.items() if o != _budget.NONE},
@@ -130,6 +130,11 @@ def costs(model, units, inputs):
     measured = _measure(model, units, inputs, _measuring_backend(model))
     object.__setattr__(model, _COSTS, _Cached(key, measured))
     return measured, time.perf_counter() - start
+
+
+def unit_name(unit):
+    """A unit's name in plans and reports: its layer's name, or a graph piece's first and last layers'."""
+    return getattr(unit, "_keras_recompute_label", None) or unit.name
 
 
 def _measuring_backend(model):
@@ -228,7 +233,7 @@ def _unit_costs(unit, measured, input_bytes, output_bytes):
         extra = 0.0 if option == _budget.NONE else max(seconds - seconds_none, 1e-6)
         # Every option holds the unit's inputs: its first layers save them, or the recompute needs them.
         options[option] = _budget.Option(option, input_bytes + kept, transient, extra)
-    return _budget.UnitCosts(unit.name, options, _variable_bytes(unit.trainable_variables))
+    return _budget.UnitCosts(unit_name(unit), options, _variable_bytes(unit.trainable_variables))
 
 
 def _record(model, units, inputs, backend):
@@ -239,7 +244,7 @@ def _record(model, units, inputs, backend):
             stack.enter_context(_context.instance_attribute(unit, "call", _recorder(unit, unit.call, records)))
         with _no_gradient(backend):
             model(inputs, training=True)
-    missing = [unit.name for unit in units if id(unit) not in records]
+    missing = [unit_name(unit) for unit in units if id(unit) not in records]
     if missing:
         raise ValueError(
             f"keras_recompute: a forward of {model.name!r} on `inputs` did not call the units {missing}: "
@@ -289,7 +294,9 @@ def _unit_kind(unit, args, kwargs):
         else:
             leaves.append(repr(leaf))
     weights = tuple((tuple(v.shape), str(v.dtype), bool(v.trainable)) for v in unit.weights)
-    return (type(unit), weights, tuple(leaves), tuple(sorted(kwargs)), tuple(options_of(unit)))
+    # A graph's pieces are all one class: theirs are the classes of the layers in them.
+    layers = tuple(type(layer) for layer in getattr(unit, "segment_layers", ()))
+    return (type(unit), layers, weights, tuple(leaves), tuple(sorted(kwargs)), tuple(options_of(unit)))
 
 
 def _signature(inputs):
@@ -348,15 +355,20 @@ def _tensor_bytes(tree):
 
 
 def _optimizer_bytes(model):
-    """The optimizer's variables, built as `fit` would build them (Adam: two per weight)."""
+    """The optimizer's variables, built as the first training step would build them (Adam: two per weight)."""
     optimizer = getattr(model, "optimizer", None)
     if optimizer is None:
         return 0
-    if not getattr(optimizer, "built", True) and hasattr(optimizer, "build"):
-        try:
-            optimizer.build(model.trainable_variables)
-        except Exception:  # a legacy tf_keras optimizer builds its slots itself
-            return 0
+    weights = model.trainable_variables
+    built = getattr(optimizer, "built", None)
+    built = getattr(optimizer, "_built", False) if built is None else built  # tf_keras's: `_built`, set by build
+    try:
+        if hasattr(optimizer, "_create_all_weights"):  # a legacy tf_keras optimizer: slots made on its first step
+            optimizer._create_all_weights(weights)
+        elif not built and hasattr(optimizer, "build"):
+            optimizer.build(weights)
+    except Exception:  # e.g. outside the distribution strategy it was made in: counted as it stands
+        pass
     variables = getattr(optimizer, "variables", [])
     variables = variables() if callable(variables) else variables
     return _variable_bytes(variables)

@@ -6,11 +6,13 @@ of the model (a transformer block, found by class, name, predicate, or as the
 model's repeated blocks), whose instance's `call` is decorated; or a piece of
 a functional model's graph between two tensors that separate it, run as one
 call of a small holder layer (NOTE [ a functional graph's pieces ] in
-`backends/_keras3.py`). Either way the model's classes, config and weights are
+`backends/_keras3.py`); a holder is planned and measured as a layer is, by its
+instance's `call`. Either way the model's classes, config and weights are
 untouched: another model built from the same classes does not recompute, and
 `model.save` writes the plain model. The plan lives in one attribute of the
 model; applying another first takes the earlier one off, so nothing is ever
-wrapped twice.
+wrapped twice, and a plan that fails (a budget measured too low) puts the
+earlier one back.
 
 A tensor separates the graph when every path from the inputs to the outputs
 goes through it, as the residual stream between two blocks does: cut there,
@@ -22,6 +24,8 @@ cut. Integer and boolean tensors (ids, masks) may cross too: they are
 constants of a recompute and take no gradient.
 """
 
+import contextlib
+import functools
 import math
 import sys
 import warnings
@@ -33,6 +37,7 @@ from keras_recompute._decorator import recompute_grad
 _BLOCK_LISTS = ("transformer_layers", "encoder_transformer_layers", "decoder_transformer_layers")
 
 _PLAN = "_keras_recompute_plan"
+_PIECES = "_keras_recompute_pieces"
 
 
 def recompute_model(
@@ -103,34 +108,40 @@ def recompute_model(
     _check_options(model, blocks, segments, limit, policy, enabled)
     _check_budget_options(budget, inputs, limit, policy)
     framework = _framework(model)
-    # Everything that can fail comes first: a bad choice leaves the earlier plan in place.
+    # Everything that can fail before measuring comes first; a failed plan puts the earlier one back.
     getattr(framework, "check_plannable", lambda model: None)(model)
+    pieces = None
     units = None if segments is not None else _choose_blocks(model, framework, blocks)
-    if units is not None and policy == _policy.ATTENTION_CORE:
-        _check_attention(units[:limit])
-    count = _segment_count(model, framework, segments) if segments is not None else None
-    if budget is not None:
-        if units is None:
-            raise ValueError(
-                f"keras_recompute: recompute_model(budget=...) plans over layers as units, and {model.name!r} "
-                "has its units as pieces of its graph (segments=, or blocks='auto' on a model whose blocks are "
-                "not layers). Pass blocks= (a layer class, names or a predicate), or plan by hand with segments= "
-                "and limit=."
-            )
-        policies = _planned_policies(model, units, budget, inputs)
-    else:
-        policies = [policy] * len(units[:limit]) if units is not None else None
-    _remove_bert4keras_recompute()
-    unrecompute_model(model)
     if units is None:
-        plan = _pieces_plan(model, framework, count, limit, enabled, policy)
-    else:
-        chosen = [(layer, p) for layer, p in zip(units, policies) if p != _budget.NONE]
-        undos = [_patch_call(layer, enabled, p) for layer, p in chosen]
-        plan = _Plan(undos, [layer.name for layer, _ in chosen], [p for _, p in chosen], enabled)
-    undo_rebuild = getattr(framework, "rebuild_graph_outputs", lambda model: None)(model)
-    if undo_rebuild is not None:
-        plan.after(undo_rebuild)
+        count = _segment_count(model, framework, segments) if segments is not None else None
+        pieces = _Pieces.of(model, framework, count)
+        units = pieces.units
+    if budget is None:
+        units = units[:limit]
+        if policy == _policy.ATTENTION_CORE:
+            _check_attention(units)
+    _remove_bert4keras_recompute()
+    earlier = model.__dict__.get(_PLAN)
+    unrecompute_model(model)
+    try:
+        if budget is None:
+            policies = [policy] * len(units)
+        else:
+            with pieces.measuring() if pieces is not None else contextlib.nullcontext():
+                policies = _planned_policies(model, units, budget, inputs)
+    except BaseException:
+        if earlier is not None:
+            earlier.redo()
+            object.__setattr__(model, _PLAN, earlier)
+        raise
+    plan = _Plan(enabled, pieces)
+    on = lambda: _config.is_enabled() if enabled is None else enabled  # noqa: E731
+    if pieces is not None:
+        plan.add(functools.partial(pieces.install, on))
+    for unit, unit_policy in zip(units, policies):
+        if unit_policy != _budget.NONE:
+            plan.add(functools.partial(_patch_call, unit, enabled, unit_policy), _memory.unit_name(unit), unit_policy)
+    plan.add(functools.partial(getattr(framework, "rebuild_graph_outputs", lambda model: None), model))
     object.__setattr__(model, _PLAN, plan)
     return model
 
@@ -146,7 +157,9 @@ def memory_report(model, inputs, *, blocks="auto"):
         model: a Keras 3 or tf_keras model, in eager mode.
         inputs: a batch of the size training will use, as the model takes it.
         blocks: the units, as in `recompute_model` (`"auto"`, a class, names
-            or a predicate).
+            or a predicate). With `"auto"`, a model that runs as pieces of its
+            graph (a `segments=` plan) is reported over those pieces, and one
+            whose blocks are not layers (bert4keras) over its blocks' pieces.
 
     Returns:
         A `MemoryReport`: `print(report)` shows the table; `report.rows` (one
@@ -166,16 +179,17 @@ def memory_report(model, inputs, *, blocks="auto"):
             f"of type {type(model).__name__}."
         )
     framework = _framework(model)
-    units = _choose_blocks(model, framework, blocks)
-    if units is None:
-        raise ValueError(
-            f"keras_recompute: memory_report reports on layers as units, and {model.name!r} has none that "
-            "blocks='auto' finds (its blocks are pieces of its graph). Pass blocks= (a layer class, names or a "
-            "predicate)."
-        )
     plan = model.__dict__.get(_PLAN)
+    pieces = None
+    if plan is not None and plan.pieces is not None and isinstance(blocks, str) and blocks == "auto":
+        pieces = plan.pieces  # the pieces the model runs as
+    units = None if pieces is not None else _choose_blocks(model, framework, blocks)
+    if units is None:
+        pieces = pieces or _Pieces.of(model, framework, None)
+        units = pieces.units
     applied = plan.applied() if plan is not None else {}
-    return _memory.report(model, units, inputs, [applied.get(unit.name, _budget.NONE) for unit in units])
+    with pieces.measuring() if pieces is not None else contextlib.nullcontext():
+        return _memory.report(model, units, inputs, [applied.get(_memory.unit_name(u), _budget.NONE) for u in units])
 
 
 def unrecompute_model(model):
@@ -194,33 +208,41 @@ def recomputed_units(model):
 
 
 class _Plan:
-    """What `recompute_model` did to one model, and how to undo it.
+    """What `recompute_model` did to one model, and how to undo and redo it.
 
-    Deliberately not a list: Keras's saving walks a model's attributes and
-    would save the weights of layers found in a list a second time.
+    Each step is a function that does it and returns how to undo it (or
+    None). Deliberately not a list: Keras's saving walks a model's attributes
+    and would save the weights of layers found in a list a second time.
     """
 
-    def __init__(self, undos, names, policies=None, enabled=None):
-        self._undos = undos
-        self.names = tuple(names)
-        self.policies = tuple(policies) if policies is not None else None
+    def __init__(self, enabled=None, pieces=None):
+        self._steps = []  # (do, undo)
+        self.names = ()
+        self.policies = ()
         self.enabled = enabled
+        self.pieces = pieces
+
+    def add(self, do, name=None, policy=None):
+        """Does `do()` now; `name` and `policy` when it makes a unit recompute."""
+        self._steps.append((do, do()))
+        if name is not None:
+            self.names += (name,)
+            self.policies += (policy,)
 
     def applied(self):
         """`{unit name: policy}` for the units that recompute as the model runs now."""
         on = _config.is_enabled() if self.enabled is None else self.enabled
-        if not on or self.policies is None:
-            return {}
-        return dict(zip(self.names, self.policies))
-
-    def after(self, undo):
-        """Adds a step undone first (it was done last)."""
-        self._undos.append(undo)
+        return dict(zip(self.names, self.policies)) if on else {}
 
     def undo(self):
-        for undo in reversed(self._undos):
-            undo()
-        self._undos = []
+        for _, undo in reversed(self._steps):
+            if undo is not None:
+                undo()
+        self._steps = [(do, None) for do, _ in self._steps]
+
+    def redo(self):
+        """Does every step again, after `undo` (a later plan failed and this one comes back)."""
+        self._steps = [(do, do()) for do, _ in self._steps]
 
 
 def _remove_bert4keras_recompute():
@@ -447,7 +469,7 @@ def _feeds(parent, framework):
 
 
 def _check_attention(units):
-    without = [unit.name for unit in units if not _policy.attention_layers(unit)]
+    without = [_memory.unit_name(unit) for unit in units if not _policy.attention_layers(unit)]
     if without:
         raise ValueError(_policy.no_attention_message(without))
 
@@ -491,39 +513,77 @@ def _segment_count(model, framework, segments):
     return segments
 
 
-def _pieces_plan(model, framework, count, limit, enabled, policy):
-    """Cuts the graph into `count` pieces (None: at every separating tensor) and installs them."""
-    functional = framework.functional_of(model)
-    nodes = framework.graph_nodes(functional)
-    input_ids, output_ids, floats = framework.graph_ends(functional)
-    cuts = _separating_cuts(nodes, input_ids, output_ids, floats)
-    if count is None:
-        units = _repeated_blocks(nodes, cuts) or _between_weights(nodes, cuts)
-    else:
-        bounds = [0] + _even_cuts(cuts, len(nodes), count) + [len(nodes)]
-        units = [(start, end) for start, end in zip(bounds, bounds[1:]) if end > start]
-    units = units[:limit]
-    recomputed = {start for start, _ in units}
-    if policy == _policy.ATTENTION_CORE:
-        without = [
-            f"{nodes[start][0].name} .. {nodes[end - 1][0].name}"
-            for start, end in units
-            if not any(_policy.attention_layers(layer) for layer, _, _, _ in nodes[start:end])
-        ]
-        if without:
-            raise ValueError(_policy.no_attention_message(without))
-    bounds = sorted({0, len(nodes)} | {b for unit in units for b in unit})
-    pieces, names = [], []
-    for index, (start, end) in enumerate(zip(bounds, bounds[1:])):
-        piece_nodes = nodes[start:end]
-        piece_inputs, piece_outputs = _piece_ends(nodes, start, end, input_ids, output_ids)
-        holder = framework.segment(functional, piece_nodes, piece_inputs, piece_outputs, f"{model.name}_piece_{index}")
-        run = recompute_grad(holder.run, enabled=enabled, policy=policy) if start in recomputed else holder.run
-        pieces.append((run, piece_inputs, piece_outputs))
-        if start in recomputed:
-            names.append(f"{piece_nodes[0][0].name} .. {piece_nodes[-1][0].name}")
-    uninstall = framework.install_pieces(functional, pieces, lambda: _config.is_enabled() if enabled is None else enabled)
-    return _Plan([uninstall], names)
+class _Pieces:
+    """A functional model's graph cut into pieces, each held by a layer (`framework.segment`).
+
+    `units` are the holders of the pieces that recompute (or that a budget
+    may choose); the pieces between them run plainly. Calling a holder runs
+    its `call` as the instance has it, so a unit is planned as a layer is: by
+    setting its `call` (`_patch_call`). Installed, the model runs its graph as
+    the pieces while `active()` holds, else as Keras runs it.
+    """
+
+    def __init__(self, model, framework, count):
+        functional = framework.functional_of(model)
+        nodes = framework.graph_nodes(functional)
+        input_ids, output_ids, floats = framework.graph_ends(functional)
+        cuts = _separating_cuts(nodes, input_ids, output_ids, floats)
+        if count is None:
+            ranges = _repeated_blocks(nodes, cuts) or _between_weights(nodes, cuts)
+        else:
+            bounds = [0] + _even_cuts(cuts, len(nodes), count) + [len(nodes)]
+            ranges = [(start, end) for start, end in zip(bounds, bounds[1:]) if end > start]
+        starts = {start for start, _ in ranges}
+        bounds = sorted({0, len(nodes)} | {b for unit in ranges for b in unit})
+        self._functional, self._framework = functional, framework
+        self._pieces, self.units = [], []
+        for index, (start, end) in enumerate(zip(bounds, bounds[1:])):
+            piece_nodes = nodes[start:end]
+            piece_inputs, piece_outputs = _piece_ends(nodes, start, end, input_ids, output_ids)
+            holder = framework.segment(functional, piece_nodes, piece_inputs, piece_outputs, f"{model.name}_piece_{index}")
+            holder._keras_recompute_label = f"{piece_nodes[0][0].name} .. {piece_nodes[-1][0].name}"
+            self._pieces.append((holder, piece_inputs, piece_outputs))
+            if start in starts:
+                self.units.append(holder)
+        self._forced = False
+        self._uninstall = None
+
+    @classmethod
+    def of(cls, model, framework, count):
+        """The pieces of `model` for `count` (None: its repeated blocks), cut once and kept on it.
+
+        Kept, so that a report and a plan share one set of holders, and with
+        them the costs measured for those holders (`_memory.costs`).
+        """
+        kept = model.__dict__.get(_PIECES)
+        if kept is None or kept.count != count:
+            kept = cls(model, framework, count)
+            kept.count = count
+            object.__setattr__(model, _PIECES, kept)
+        return kept
+
+    def install(self, active):
+        """Makes the model run as the pieces while `active()` holds; returns how to undo it."""
+        uninstall = self._framework.install_pieces(self._functional, self._pieces, lambda: self._forced or active())
+
+        def undo():
+            uninstall()
+            self._uninstall = None
+
+        self._uninstall = undo
+        return undo
+
+    @contextlib.contextmanager
+    def measuring(self):
+        """Within it, the model runs as the pieces whatever the switch says (installed for the while if not)."""
+        temporary = self.install(lambda: False) if self._uninstall is None else None
+        self._forced = True
+        try:
+            yield
+        finally:
+            self._forced = False
+            if temporary is not None:
+                temporary()
 
 
 def _separating_cuts(nodes, input_ids, output_ids, floats):

@@ -6,6 +6,8 @@ Usage: python _bert4keras_child.py ours|model|theirs [eager|function|graph]
   model   keras_recompute.recompute_model(model): each transformer block one unit
   model_over_theirs  the same, with bert4keras's own recompute on (RECOMPUTE=1 at its
           import): recompute_model must take it off, with a warning
+  budget  recompute_model(model, budget=..., inputs=...): a budget half-way between the
+          least peak any plan reaches and the plain peak, over the blocks (graph pieces)
   theirs  bert4keras's own recompute (RECOMPUTE=1 when bert4keras is imported)
 Trains three SGD steps with dropout, first with every patched `call` plain, then
 recomputed, from the same weights and random state. Prints a JSON line: the
@@ -138,8 +140,18 @@ def train(recompute):
 
 
 expected = train(False)
-units, warned = [], False
-if method in ("model", "model_over_theirs"):
+units, warned, policies = [], False, []
+if method == "budget":
+    from keras_recompute import _model, memory_report, recompute_model
+
+    batch = [token_ids, segment_ids]
+    plain_report = memory_report(model, batch)
+    budget = (plain_report.floor + plain_report.plain_peak) // 2
+    recompute_model(model, budget=budget, inputs=batch, enabled=True)
+    planned = memory_report(model, batch)
+    assert planned.measure_seconds == 0 and planned.predicted_peak <= budget, (planned, budget)
+    units, policies = _model.recomputed_units(model), [row["policy"] for row in planned.rows]
+elif method in ("model", "model_over_theirs"):
     import warnings
 
     from keras_recompute import _model, recompute_model
@@ -155,7 +167,7 @@ else:
     set_calls(ours if method == "ours" else theirs)
 actual = train(True)
 
-report = {"losses": [loss for loss, _ in actual], "plain_losses": [loss for loss, _ in expected], "steps": [], "units": units, "warned": warned}
+report = {"losses": [loss for loss, _ in actual], "plain_losses": [loss for loss, _ in expected], "steps": [], "units": units, "warned": warned, "policies": policies}
 for (_, grads), (_, plain_grads) in zip(actual, expected):
     errors = normwise_errors(grads, plain_grads)
     report["steps"].append({"differ": sum(error > RTOL for error in errors), "count": len(errors), "max": max(errors)})

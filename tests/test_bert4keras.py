@@ -49,6 +49,17 @@ def test_recompute_model_recomputes_each_block_exactly(method, mode):
         assert result["count"] == 42 and result["differ"] == 0, f"step {step}: {result}"
 
 
+def test_a_budget_plans_bert4keras_blocks_exactly():
+    """`recompute_model(model, budget=..., inputs=...)` over bert4keras's blocks (pieces of its graph)."""
+    report = run("budget", "function")
+    blocks = [f"Transformer-{i}-MultiHeadSelfAttention .. Transformer-{i}-FeedForward-Norm" for i in range(2)]
+    assert len(report["policies"]) == 2 and report["policies"].count("full") < 2, report["policies"]
+    assert report["units"] == [b for b, p in zip(blocks, report["policies"]) if p != "none"] != []
+    assert report["losses"] == pytest.approx(report["plain_losses"], rel=1e-6)
+    for step, result in enumerate(report["steps"]):
+        assert result["count"] == 42 and result["differ"] == 0, f"step {step}: {result}"
+
+
 def test_bert4keras_own_recompute_is_wrong_where_ours_is_not():
     """The same comparison catches bert4keras's own recompute (q = k = v doubles a gradient)."""
     report = run("theirs", "function")

@@ -6,7 +6,7 @@ import tensorflow as tf
 import tf_keras as K
 
 from _twins import on_and_off
-from keras_recompute import RecomputeError, _model, memory_report, recompute_model
+from keras_recompute import RecomputeError, _memory, _model, memory_report, recompute_model
 
 X = tf.random.stateless_normal((8, 32, 16), seed=[5, 5])
 
@@ -60,3 +60,13 @@ def test_a_tf1_graph_cannot_be_measured():
         model = blocks_model()
         with pytest.raises(RecomputeError, match="eager TensorFlow"):
             recompute_model(model, budget="1GB", inputs=np.zeros((8, 32, 16), "float32"))
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "legacy"])
+def test_the_optimizer_counts_as_its_first_step_builds_it(optimizer):
+    """Adam's slots count before they exist: a legacy tf_keras optimizer makes them on its first step."""
+    model = K.Sequential([K.Input((16,)), K.layers.Dense(8), K.layers.Dense(2)])
+    model.compile(optimizer=K.optimizers.legacy.Adam() if optimizer == "legacy" else "adam", loss="mse")
+    before = _memory._optimizer_bytes(model)
+    model.train_on_batch(np.zeros((4, 16), "float32"), np.zeros((4, 2), "float32"))
+    assert before == _memory._optimizer_bytes(model) >= 2 * _memory._variable_bytes(model.trainable_variables)

@@ -324,6 +324,10 @@ class _SetAutocast:
 # from a map of reference tensor ids to values. The pieces are contiguous runs
 # of that same order; `install_pieces` sets an instance attribute that runs
 # them instead, so the model's class, config and saved file do not change.
+# Each piece is a call of a holder layer, which runs its `call` as the
+# instance has it: a piece recomputes, under a policy, as a block does, when
+# `recompute_model` sets that instance's `call`, and a budget measures and
+# plans it as it does a block (`_memory`).
 
 
 def functional_of(model):
@@ -364,11 +368,13 @@ _SEGMENT = []
 
 
 def segment(functional, nodes, input_ids, output_ids, name):
-    """A layer holding one piece of the graph; its `run` computes the piece.
+    """A layer holding one piece of the graph; calling it computes the piece.
 
-    The layer tracks the piece's layers, so a recompute of `run` finds their
-    state as it finds a block's (see NOTE [ the call's context ]); the model
-    does not track it, so it is neither saved nor in `model.layers`.
+    The layer tracks the piece's layers, so a recompute of its `call` finds
+    their state as it finds a block's (see NOTE [ the call's context ]); the
+    model does not track it, so it is neither saved nor in `model.layers`.
+    Calling it runs its `call` as the instance has it now, so that
+    `recompute_model` plans a piece as it plans a layer: by setting `call`.
     """
     if not _SEGMENT:
         import keras
@@ -382,7 +388,11 @@ def segment(functional, nodes, input_ids, output_ids, name):
                 object.__setattr__(self, "_piece", (functional, nodes, list(input_ids), list(output_ids)))
                 self.built = True
 
-            def run(self, *values, operation_fn=None):
+            def __call__(self, *values, **kwargs):
+                # Keras's `__call__` is not for a piece: its layers autocast, mask and build themselves.
+                return self.call(*values, **kwargs)
+
+            def call(self, *values, operation_fn=None):
                 """The piece's output values from its input values (in `input_ids` order)."""
                 functional, nodes, input_ids, output_ids = self._piece
                 computed = dict(zip(input_ids, values))

@@ -455,7 +455,7 @@ _SEGMENT = []
 
 
 def segment(functional, nodes, input_ids, output_ids, name):
-    """A layer holding one piece of the graph; its `run` computes the piece (see `_keras3.segment`)."""
+    """A layer holding one piece of the graph; calling it computes the piece (see `_keras3.segment`)."""
     if not _SEGMENT:
         import tf_keras
 
@@ -471,8 +471,26 @@ def segment(functional, nodes, input_ids, output_ids, name):
                 object.__setattr__(self, "_piece", (nodes, list(input_ids), list(output_ids)))
                 self.built = True
 
-            def run(self, *values):
-                """The piece's output values from its input values (in `input_ids` order)."""
+            def __call__(self, *values, **kwargs):
+                # tf_keras's `__call__` is not for a piece: its layers autocast, mask and build themselves.
+                return self.call(*values, **kwargs)
+
+            def call(self, *values, training=None):
+                """The piece's output values from its input values (in `input_ids` order).
+
+                `training`, when given, reaches the layers as the model's call
+                passes it: through the call context (measuring runs a piece alone).
+                """
+                if training is None:
+                    return self._run(values)
+                from tf_keras.src.engine import base_layer_utils
+
+                with base_layer_utils.call_context().enter(
+                    layer=self, inputs=None, build_graph=not tf.executing_eagerly(), call_context_args={"training": training}
+                ):
+                    return self._run(values)
+
+            def _run(self, values):
                 nodes, input_ids, output_ids = self._piece
                 computed = dict(zip(input_ids, values))
                 for layer, node_inputs, node_outputs, node in nodes:
@@ -506,7 +524,7 @@ def install_pieces(functional, pieces, active):
         for run, piece_inputs, piece_outputs in pieces:
             if any(i not in computed for i in piece_inputs):
                 return original(inputs, training=training, mask=mask)  # a graph tf_keras runs partly
-            computed.update(zip(piece_outputs, run(*[computed[i] for i in piece_inputs])))
+            computed.update(zip(piece_outputs, run(*[computed[i] for i in piece_inputs], training=training)))
         return tf.nest.pack_sequence_as(functional._nested_outputs, [computed[i] for i in output_ids])
 
     object.__setattr__(functional, "_run_internal_graph", run_internal_graph)

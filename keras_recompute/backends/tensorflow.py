@@ -467,7 +467,8 @@ def _fingerprint(x):
     left = tf.random.stateless_uniform([tf.shape(matrix)[0], 2], seed=[1234, 5678], minval=-1.0)
     right = tf.random.stateless_uniform([columns, 2], seed=[8765, 4321], minval=-1.0)
     projections = tf.reduce_sum(left * tf.matmul(matrix, right), axis=0)
-    return tf.concat([[tf.norm(matrix)], projections], 0)
+    # l2_loss is one pass with no temporary; tf.norm writes the squares out first.
+    return tf.concat([[tf.sqrt(2.0 * tf.nn.l2_loss(matrix))], projections], 0)
 
 
 def _same_shape(a, b):
