@@ -86,6 +86,29 @@ def xla_temp_bytes(model, inputs, labels):
     return compiled.memory_analysis().temp_size_in_bytes
 
 
+def torch_cpu_peak(step, live):
+    """PyTorch on a CPU: the peak bytes of one `step()`, from the profiler's allocation records.
+
+    The CPU allocator keeps no statistics, and the process's RSS does not
+    follow what autograd frees (the C library keeps freed pages). The
+    profiler records every allocation and free of the CPU allocator, each
+    with its size, in the order they happen: the peak is what was live
+    when the step began (`live`: tensors, e.g. weights, optimizer slots,
+    gradients, the batch) plus the highest running sum of those records.
+    What one op allocates and frees within itself is counted as its net.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    start = sum(int(t.untyped_storage().nbytes()) for t in {id(t): t for t in live}.values())
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiled:
+        step()
+    total = highest = 0
+    for event in sorted((e for e in profiled.events() if e.self_cpu_memory_usage), key=lambda e: e.time_range.start):
+        total += event.self_cpu_memory_usage
+        highest = max(highest, total)
+    return start + highest
+
+
 def planned_policies(model, inputs):
     """The policy `recompute_model(budget=...)` gave each unit, as a short string (`-` for none)."""
     from keras_recompute import memory_report

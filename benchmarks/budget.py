@@ -21,9 +21,9 @@ Memory, per backend, of the steps after the first (which compiles):
     jax          weights, optimizer and batch (the report's resident bytes)
                  plus the temporaries XLA assigns to the compiled step: the
                  step's own peak, exact, on a CPU without allocator stats
-    torch        on a GPU the allocator's peak; on the CPU the report's
-                 resident bytes plus the activations' RSS (the child's peak
-                 RSS minus that of one row, as in `backends.py`)
+    torch        on a GPU the allocator's peak; on the CPU the peak of one
+                 more step from the profiler's allocation records, on top of
+                 the tensors live when it began (`_measure.torch_cpu_peak`)
 
 Usage:
     python benchmarks/budget.py --backend tensorflow
@@ -107,6 +107,10 @@ def child(args):
     }
     if args.backend == "jax" and args.steps:
         record["xla_temp"] = _measure.xla_temp_bytes(model, ids, labels)
+    if args.backend == "torch" and record["peak"] is None and args.steps:
+        variables = [v.value for v in model.variables + model.optimizer.variables]
+        live = variables + [v.grad for v in variables if v.grad is not None]  # the batch: converted within the step
+        record["peak"] = _measure.torch_cpu_peak(lambda: model.train_on_batch(ids, labels), live)
     print(json.dumps(record))
 
 

@@ -228,9 +228,9 @@ def test_a_budget_plans_a_graphs_pieces():
     assert report.measure_seconds == 0 and report.predicted_peak <= budget
     assert policies.count("full") < 4 and policies.count("none") < 4, policies
     assert _model.recomputed_units(model) == [name for name, p in zip(PIECES, policies) if p != "none"]
-    # A plan that fails puts the earlier one back.
+    # A plan that fails puts the earlier one back (with other pieces: the bad-budget table's segments row).
     with pytest.raises(ValueError, match="below the least peak"):
-        recompute_model(model, segments=2, budget=1000, inputs=X)
+        recompute_model(model, budget=1000, inputs=X)
     assert _model.recomputed_units(model) == [name for name, p in zip(PIECES, policies) if p != "none"]
 
 
