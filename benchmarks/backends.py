@@ -17,6 +17,8 @@ the same configuration trained on one row: the activations' memory.
 
 Step time: the fastest of `--steps` `train_on_batch` calls after two warm-up
 steps (the first compiles), in a child of its own without that malloc setting.
+On PyTorch the `none` child also times one training-mode forward: a step plus
+one more forward is the floor of full recompute's time.
 
 Usage:
     python benchmarks/backends.py --backend jax            # CPU-sized defaults
@@ -151,6 +153,15 @@ def child(args):
     record = {"peak": _measure.peak(args.backend), "rss": _measure.rss_peak(), "step": min(times) if times else None, "loss": loss}
     if args.backend == "jax" and args.steps:
         record["xla_temp"] = _measure.xla_temp_bytes(model, ids, labels)
+    if args.backend == "torch" and args.child == "none" and args.steps:
+        # One training-mode forward (autograd recording, as full recompute's extra forward does).
+        forwards = []
+        for _ in range(args.steps):
+            start = time.perf_counter()
+            outputs = model(ids, training=True)
+            forwards.append(time.perf_counter() - start)
+            del outputs
+        record["forward"] = min(forwards)
     print(json.dumps(record))
 
 
@@ -217,6 +228,9 @@ def main(argv=None):
             temp_ratio = f"{base['xla_temp'] / record['xla_temp']:.2f}x" if base and "xla_temp" in base else ""
             line += f"  {record['xla_temp'] / 2**20:>12.0f}  {temp_ratio:>7}"
         print(line, flush=True)
+        if record.get("forward"):
+            floor = (record["step"] + record["forward"]) / record["step"]
+            print(f"{'':<15} one training forward {record['forward']:.3f} s: full recompute's floor (one more forward) {floor:.2f}x")
     if args.budget_gib:
         budget = int(args.budget_gib * 2**30)
         batches = {method: largest_batch(args, method, budget) for method in ("none", "ours")}
