@@ -223,6 +223,41 @@ def test_segments_under_mixed_precision():
         keras.config.set_dtype_policy("float32")
 
 
+def test_segments_carry_a_mask_and_a_frozen_layer_through_fit():
+    """Pieces of a graph whose first tensor is a mask (`Embedding(mask_zero=True)`), one Dense frozen.
+
+    In a compiled `fit` the mask is a piece's first input: the recompute's
+    ordering must take a boolean tensor (it raised in `tf.reduce_max`).
+    """
+
+    def build():
+        keras.utils.set_random_seed(0)
+        ids = keras.Input((12,), dtype="int32")
+        hidden = layers.Embedding(50, 16, mask_zero=True)(ids)
+        for i in range(3):
+            attended = layers.MultiHeadAttention(2, 8, dropout=0.1, seed=1)(hidden, hidden)
+            hidden = layers.LayerNormalization()(layers.Add()([hidden, attended]))
+            up = layers.Dense(16, activation="gelu", trainable=i != 1)
+            hidden = layers.Add()([hidden, layers.Dense(16)(layers.Dropout(0.1, seed=2)(up(hidden)))])
+        model = keras.Model(ids, layers.Dense(2)(layers.GlobalAveragePooling1D()(hidden)))
+        model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        recompute_model(model, segments=3)
+        return model
+
+    rng = np.random.RandomState(0)
+    ids = rng.randint(1, 50, size=(8, 12)).astype("int32")
+    ids[:, 9:] = 0
+    labels = rng.randint(0, 2, size=(8,)).astype("int32")
+    losses = {}
+    for on in (False, True):
+        model = build()
+        keras.utils.set_random_seed(3)
+        with recompute_scope(on):
+            losses[on] = model.fit(ids, labels, epochs=3, batch_size=8, verbose=0).history["loss"]
+    assert len(_model.recomputed_units(model)) == 3
+    np.testing.assert_allclose(losses[True], losses[False], rtol=1e-5)
+
+
 def test_segments_of_a_sequential_model():
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((16,))] + [layers.Dense(16, activation="gelu") for _ in range(4)] + [layers.Dense(3)])

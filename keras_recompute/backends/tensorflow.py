@@ -489,6 +489,8 @@ def _waiter(upstream):
     if tf.executing_eagerly():
         return tf.identity
     gradient = upstream[0]
+    if gradient.dtype == tf.bool:  # a forward's first tensor may be a mask (Embedding(mask_zero=True))
+        gradient = tf.cast(gradient, tf.int8)
     element = tf.reduce_max(tf.reshape(gradient, [-1])[:1])
     # False only for a NaN gradient; no optimizer can fold it to a constant.
     finite = tf.equal(element, element)
