@@ -37,6 +37,7 @@ dtype by setting a thread-local dtype. The recompute runs outside `__call__`,
 so that dtype is captured with the forward and set again for the recompute.
 """
 
+import contextlib
 import sys
 import threading
 
@@ -481,24 +482,19 @@ def segment(functional, nodes, input_ids, output_ids, name):
                 `training`, when given, reaches the layers as the model's call
                 passes it: through the call context (measuring runs a piece alone).
                 """
-                if training is None:
-                    return self._run(values)
                 from tf_keras.src.engine import base_layer_utils
 
-                with base_layer_utils.call_context().enter(
-                    layer=self, inputs=None, build_graph=not tf.executing_eagerly(), call_context_args={"training": training}
-                ):
-                    return self._run(values)
-
-            def _run(self, values):
                 nodes, input_ids, output_ids = self._piece
                 computed = dict(zip(input_ids, values))
-                for layer, node_inputs, node_outputs, node in nodes:
-                    if any(i not in computed for i in node_inputs):
-                        continue  # not computable, as tf_keras skips it
-                    # `map_arguments` pops one value per use of a tensor.
-                    args, kwargs = node.map_arguments({i: [computed[i]] * node_inputs.count(i) for i in node_inputs})
-                    computed.update(zip(node_outputs, tf.nest.flatten(layer(*args, **kwargs))))
+                with contextlib.nullcontext() if training is None else base_layer_utils.call_context().enter(
+                    layer=self, inputs=None, build_graph=not tf.executing_eagerly(), call_context_args={"training": training}
+                ):
+                    for layer, node_inputs, node_outputs, node in nodes:
+                        if any(i not in computed for i in node_inputs):
+                            continue  # not computable, as tf_keras skips it
+                        # `map_arguments` pops one value per use of a tensor.
+                        args, kwargs = node.map_arguments({i: [computed[i]] * node_inputs.count(i) for i in node_inputs})
+                        computed.update(zip(node_outputs, tf.nest.flatten(layer(*args, **kwargs))))
                 return [computed[i] for i in output_ids]
 
         _SEGMENT.append(Segment)

@@ -292,7 +292,6 @@ def _size(aval):
     return count * aval.dtype.itemsize
 
 
-
 def step_bytes(model, inputs):
     """The temporary bytes XLA assigns to a training step of `model` on `inputs` as it stands.
 
