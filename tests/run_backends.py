@@ -1,19 +1,28 @@
 """Runs the test suite once per Keras backend, every backend even when one fails.
 
 ```
-python tests/run_backends.py                       # tensorflow, jax, torch
+python tests/run_backends.py                       # tensorflow, jax, torch; two at a time
+python tests/run_backends.py --jobs 1              # one after another, the output as it comes
 python tests/run_backends.py --backends jax -- -k memory
 ```
 
 Each backend's run is a fresh `python -m pytest tests` with `KERAS_BACKEND`
-set (Keras reads it once, at import). The exit status is non-zero when any run
-failed, and a summary at the end names each backend's result and time.
+set (Keras reads it once, at import). With `--jobs` above 1 the runs overlap:
+most tests are small, spend their time in one Python thread tracing and
+dispatching, and leave the second core idle, so two runs take little longer
+than the longer of them. Nothing in the suite is timed, and each memory figure
+is measured in a child process of its own, so an overlapping run changes no
+result. The output of an overlapped run is printed whole when it ends. The exit
+status is non-zero when any run failed, and a summary at the end names each
+backend's result and time.
 """
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 BACKENDS = ("tensorflow", "jax", "torch")
@@ -22,23 +31,54 @@ BACKENDS = ("tensorflow", "jax", "torch")
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
+    parser.add_argument("--jobs", type=int, default=2, help="backends run at once (default 2; 1: in turn, output streamed)")
     parser.add_argument("pytest_args", nargs="*", help="passed to pytest (after --)")
     args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error(f"--jobs must be at least 1, got {args.jobs}")
     tests = os.path.dirname(os.path.abspath(__file__))
-    results = []
-    for backend in args.backends:
-        print(f"\n===== KERAS_BACKEND={backend} =====", flush=True)
-        started = time.monotonic()
-        code = subprocess.call(
-            [sys.executable, "-m", "pytest", tests, "-q", *args.pytest_args],
-            env=dict(os.environ, KERAS_BACKEND=backend),
-        )
-        results.append((backend, code, time.monotonic() - started))
+    streamed = args.jobs == 1
+    waiting, running, results = list(args.backends), {}, {}
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a CI time limit: still show what ran
+    try:
+        while waiting or running:
+            while waiting and len(running) < args.jobs:
+                backend = waiting.pop(0)
+                print(f"\n===== KERAS_BACKEND={backend}: started =====", flush=True)
+                log = None if streamed else tempfile.TemporaryFile(mode="w+")
+                process = subprocess.Popen(
+                    [sys.executable, "-m", "pytest", tests, "-q", *args.pytest_args],
+                    env=dict(os.environ, KERAS_BACKEND=backend),
+                    stdout=log,
+                    stderr=subprocess.STDOUT if log else None,
+                )
+                running[backend] = (process, log, time.monotonic())
+            for backend, (process, log, started) in list(running.items()):
+                if process.poll() is not None:
+                    del running[backend]
+                    results[backend] = (process.returncode, time.monotonic() - started)
+                    _show(backend, log)
+            time.sleep(0.5)
+    finally:
+        for backend, (process, log, _) in running.items():  # interrupted: stop them, show their output so far
+            process.kill()
+            _show(f"{backend} (interrupted)", log)
     print("\n===== summary =====")
-    for backend, code, seconds in results:
+    for backend in args.backends:
+        code, seconds = results[backend]
         verdict = "passed" if code == 0 else f"FAILED (pytest exit {code})"
         print(f"{backend:<11} {verdict:<24} {seconds / 60:5.1f} min")
-    return 0 if all(code == 0 for _, code, _ in results) else 1
+    return 0 if all(code == 0 for code, _ in results.values()) else 1
+
+
+def _show(backend, log):
+    """Prints the output of an overlapped run (a streamed one has printed it already)."""
+    if log is not None:
+        print(f"\n===== KERAS_BACKEND={backend}: output =====", flush=True)
+        log.seek(0)
+        sys.stdout.write(log.read())
+        log.close()
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
