@@ -33,12 +33,12 @@ def build(keras, keras_hub, blocks, method):
     for _ in range(blocks):
         hidden = keras_hub.layers.TransformerEncoder(64, 4, dropout=0.1)(hidden)
     model = keras.Model(inputs, hidden)
-    encoders = [layer for layer in model.layers if isinstance(layer, keras_hub.layers.TransformerEncoder)]
     if method == "ours":
         recompute_model(model, blocks=keras_hub.layers.TransformerEncoder, enabled=True)
     elif method == "tf":
-        for layer in encoders:
-            layer.call = _tf_recomputed(tf, layer.call)
+        for layer in model.layers:
+            if isinstance(layer, keras_hub.layers.TransformerEncoder):
+                layer.call = _tf_recomputed(tf, layer.call)
     return model
 
 
