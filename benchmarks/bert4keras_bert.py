@@ -15,6 +15,8 @@ Methods:
     ours     keras_recompute.integrations.bert4keras.enable(), RECOMPUTE=1: per layer
     model    keras_recompute.recompute_model(model), RECOMPUTE=1: each
              transformer block as one unit
+    nested   both: each block one unit, and inside its recompute each
+             attention and feed-forward layer recomputed again in its backward
 
 Modes: function (TF2, `train_on_batch` compiles a `tf.function`); graph (a
 TF1-style graph: `tf.compat.v1.disable_eager_execution()`).
@@ -41,7 +43,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _measure  # noqa: E402
 
-METHODS = ("none", "theirs", "ours", "model")
+METHODS = ("none", "theirs", "ours", "model", "nested")
 MODES = ("function", "graph")
 
 
@@ -55,7 +57,7 @@ def parse_args(argv=None):
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=3, help="timed steps, after one warm-up step")
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS[:4]), choices=METHODS, help="default: all but nested")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--per-sample", type=int, nargs=2, metavar=("B1", "B2"), help="activation memory per sample")
     parser.add_argument("--budget-mb", type=float, help="also find the largest batch that fits")
@@ -84,7 +86,7 @@ def child(args):
     import tf_keras
     from bert4keras.models import build_transformer_model
 
-    if method == "ours":
+    if method in ("ours", "nested"):
         from keras_recompute.integrations import bert4keras as recompute_bert4keras
 
         recompute_bert4keras.enable()
@@ -104,7 +106,7 @@ def child(args):
     )
     cls = tf_keras.layers.Lambda(lambda x: x[:, 0])(bert.output)
     model = tf_keras.Model(bert.inputs, tf_keras.layers.Dense(2)(cls))
-    if method == "model":
+    if method in ("model", "nested"):
         from keras_recompute import recompute_model
 
         recompute_model(model, policy=args.policy)

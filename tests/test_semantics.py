@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 from _twins import FRAMEWORKS, MODES, RTOL, assert_close, compile_mode, copy_weights, framework, recomputed_class
-from keras_recompute import RecomputeError, recompute_grad, recompute_scope
+from keras_recompute import RecomputeError, memory_report, recompute_grad, recompute_scope
 
 
 @pytest.fixture(params=FRAMEWORKS)
@@ -109,9 +109,13 @@ def skip_legacy_random_under_xla(K, mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_dropout_and_noise_draw_what_the_forward_drew(K, mode):
     skip_legacy_random_under_xla(K, mode)
-    x = tf.random.stateless_normal((8, 12), seed=[1, 1])
-    plain, recomputed = build_twins(K, noisy_block(K), x)
-    actual, expected = run_twins(K, plain, recomputed, x, steps=3, mode=mode)
+    assert_random_steps_match(K, noisy_block(K), tf.random.stateless_normal((8, 12), seed=[1, 1]), 3, mode)
+
+
+def assert_random_steps_match(K, layer_class, x, steps, mode):
+    """A layer that draws trains as its twin, `steps` steps, and draws anew each step."""
+    plain, recomputed = build_twins(K, layer_class, x)
+    actual, expected = run_twins(K, plain, recomputed, x, steps=steps, mode=mode)
     # Each step, the next step too: the random stream stays in step with the twin's.
     assert_steps_close(actual, expected)
     # Dropout really dropped (the masks matter), and differently each step.
@@ -151,6 +155,50 @@ def test_legacy_dropout_under_xla_matches_its_own_forward():
     expected = tf.matmul(upstream, layer.dense.kernel, transpose_b=True) * kept * 2.0
     assert 0.2 < float(tf.reduce_mean(kept)) < 0.8
     assert_close(gradient, expected)
+
+
+@pytest.mark.parametrize("mode", [m for m in MODES if m != "jit"])
+def test_legacy_dropout_masks_of_any_size_replay_exactly(mode):
+    """The kept masks are packed eight to a byte: a size no multiple of eight, and a noise shape."""
+    K = framework("tf_keras")
+
+    class Odd(K.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.dense = K.layers.Dense(7)
+            self.dropout = K.layers.Dropout(0.5)
+            self.rows = K.layers.Dropout(0.4, noise_shape=(None, 1, 7))
+
+        def call(self, inputs, training=None):
+            hidden = self.dropout(self.dense(inputs), training=training)  # 3 x 5 x 7 = 105 elements
+            return self.rows(hidden, training=training)
+
+    assert_random_steps_match(K, Odd, tf.random.stateless_normal((3, 5, 4), seed=[4, 4]), 2, mode)
+
+
+def test_legacy_dropout_masks_are_kept_at_one_bit_an_element():
+    """What a recomputed call keeps for its legacy dropout: 1/8 byte an element, not a bool's byte."""
+    K = framework("tf_keras")
+
+    class Unit(K.layers.Layer):
+        def __init__(self, rate, **kwargs):
+            super().__init__(**kwargs)
+            self.dropout = K.layers.Dropout(rate) if rate else None
+
+        def call(self, inputs, training=None):
+            hidden = tf.sin(inputs)
+            if self.dropout is not None:
+                hidden = self.dropout(hidden, training=training)
+            return tf.sin(hidden)
+
+    x = tf.random.stateless_normal((4, 64, 64), seed=[1, 2])
+    kept = []
+    for rate in (0.5, 0):
+        inputs = K.Input((64, 64))
+        model = K.Model(inputs, Unit(rate, name="unit")(inputs))
+        kept.append(memory_report(model, x, blocks=["unit"]).rows[0]["kept_bytes"]["full"])
+    elements = 4 * 64 * 64
+    assert elements // 8 <= kept[0] - kept[1] <= elements // 8 + 64, kept
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -14,9 +14,11 @@ in one of three ways (its `rng_type`):
     stream after the step is where the plain layer leaves it.
   * "legacy_stateful" (the default): TF's stateful random ops, whose state
     lives inside op kernels and cannot be rewound. We record what the forward
-    drew and replay it: for dropout the boolean keep mask (one byte an
-    element), for other draws the values themselves. Exact, at that memory
-    cost; `enable_tf_random_generator()` removes it.
+    drew and replay it: for dropout the keep mask packed to one bit an
+    element (`_Packed`: a bool tensor takes a byte; on bert4keras BERT-base,
+    seq 128, that was 3.8 MB a sample of 24.6), for other draws the values
+    themselves. Exact, at that memory cost; `enable_tf_random_generator()`
+    removes it.
 `RandomGenerator`'s four drawing methods are wrapped once, at the first
 recomputed call. Outside a recomputed call the wrapper is one attribute read
 away from the original method.
@@ -101,6 +103,7 @@ class RandomTape:
         self.records = []  # legacy draws: (method, value)
         self.generator_states = {}  # id(generator) -> (generator, state before the forward)
         self.replaying = False
+        self.wait = None  # while replaying: makes a tensor wait for the incoming gradient
         self._position = 0
         self._restore = {}  # id(generator) -> (generator, state before the recompute)
         # In a graph: the graph of the call, and a seed drawn there for masks
@@ -111,8 +114,9 @@ class RandomTape:
             self.base_seed = tf.random.uniform([2], maxval=2**31 - 1, dtype=tf.int32)
         self.seeded = 0
 
-    def replay(self):
-        """Context manager: draws inside it come from this tape."""
+    def replay(self, wait=None):
+        """Context manager: draws inside it come from this tape; kept masks unpack after `wait`."""
+        self.wait = wait
         return _Active(self, replaying=True)
 
     def record(self):
@@ -146,6 +150,7 @@ class RandomTape:
         for generator, state in self._restore.values():
             generator.state.assign(state)
         self._restore = {}
+        self.wait = None
         if self._position != len(self.records):
             raise RecomputeError(
                 f"keras_recompute: the recompute of {self.name} drew "
@@ -241,13 +246,40 @@ class _Seeded:
         return tf.random.stateless_uniform(shape, seed=seed) >= rate
 
 
+class _Packed:
+    """A dropout keep mask kept at one bit an element (see NOTE [ tf_keras random draws ]).
+
+    Eight elements of the flattened mask make one uint8; the unpacked mask is
+    built again in the recompute, made to wait for the incoming gradient
+    (else a graph could unpack every mask during the forward, see NOTE
+    [ ordering the recompute in graphs ] in `tensorflow`).
+    """
+
+    def __init__(self, keep):
+        self.shape = keep.shape if keep.shape.is_fully_defined() else tf.shape(keep)
+        flat = tf.cast(tf.reshape(keep, [-1]), tf.uint8)
+        flat = tf.pad(flat, [[0, tf.math.floormod(-tf.size(flat), 8)]])
+        self.bits = tf.reduce_sum(tf.reshape(flat, [-1, 8]) * _bit_values(), axis=1)
+
+    def keep_mask(self, wait):
+        bits = wait(self.bits) if wait is not None else self.bits
+        keep = tf.not_equal(tf.bitwise.bitwise_and(bits[:, None], _bit_values()), 0)
+        return tf.reshape(tf.reshape(keep, [-1])[: tf.reduce_prod(self.shape)], self.shape)
+
+
+def _bit_values():
+    return tf.constant([1, 2, 4, 8, 16, 32, 64, 128], tf.uint8)
+
+
 def _legacy_dropout(original, generator_owner, args, kwargs, stack, replay_index, recorders):
     inputs, rate, noise_shape = _dropout_arguments(*args, **kwargs)
     if replay_index >= 0:
-        keep = stack[replay_index]._next("dropout")
-        if isinstance(keep, _Seeded):
+        keep = record = stack[replay_index]._next("dropout")
+        if isinstance(keep, _Packed):
+            keep = keep.keep_mask(stack[replay_index].wait)
+        elif isinstance(keep, _Seeded):
             keep = keep.keep_mask(inputs, rate, noise_shape)
-        record = keep
+            record = _Packed(keep) if recorders else keep
     elif recorders and recorders[0].base_seed is not None and tf.compat.v1.get_default_graph() is not recorders[0].graph:
         # NOTE [ dropout inside a graph branch ]
         # In a TF1-style graph a Dropout driven by the learning-phase
@@ -263,7 +295,7 @@ def _legacy_dropout(original, generator_owner, args, kwargs, stack, replay_index
         # the same mask the plain layer would draw. Its values are 0 or scale.
         scaled = original(generator_owner, tf.ones_like(inputs), rate, noise_shape)
         keep = tf.not_equal(scaled, 0)
-        record = keep
+        record = _Packed(keep)
     for tape in recorders:
         tape.records.append(("dropout", record))
     scale = tf.convert_to_tensor(1 / (1 - rate), dtype=inputs.dtype)
@@ -307,8 +339,8 @@ class CallState:
     def forward(self):
         return self.random.record()
 
-    def replay(self):
-        return _Replay(self)
+    def replay(self, wait=None):
+        return _Replay(self, wait)
 
 
 def trainability(owner):
@@ -362,8 +394,9 @@ class _Replay:
     recompute; they are taken off the layers again.
     """
 
-    def __init__(self, state):
+    def __init__(self, state, wait=None):
         self._state = state
+        self._wait = wait
         self.losses = []
 
     def __enter__(self):
@@ -391,7 +424,7 @@ class _Replay:
         holder = state._autocast_module._autocast_dtype
         self._previous_dtype = getattr(holder, "dtype", None)
         holder.dtype = state.autocast_dtype
-        self._random = state.random.replay()
+        self._random = state.random.replay(self._wait)
         self._random.__enter__()
         return self
 

@@ -128,7 +128,7 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full"):
                 tape.watch(replay_inputs)
                 tape.watch(trainable)
                 keras_replay = _keras3.replay(state, owner)
-                legacy_replay = legacy_state and legacy_state.replay()
+                legacy_replay = legacy_state and legacy_state.replay(wait)
                 with keras_replay, (legacy_replay or contextlib.nullcontext()):
                     with dots.replaying(wait) if dots else contextlib.nullcontext():
                         replayed = call_with(replay_inputs, constants, wait)
