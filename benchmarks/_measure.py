@@ -16,6 +16,7 @@ Each configuration runs in a fresh process: peaks never mix.
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -149,10 +150,22 @@ def run(script, arguments, backend, low_mmap_threshold=False, extra_env=None, la
     with _console().status(f"{os.path.basename(script)}: {label or ' '.join(map(str, arguments))}"):
         done = subprocess.run([sys.executable, script, *map(str, arguments)], env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
-        lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
-        message = next((line for line in reversed(lines) if "Error" in line or "error" in line), lines[-1] if lines else "")
-        return {"error": message.strip()[:160] or f"exit {done.returncode}"}
+        lines = [line.strip() for line in done.stderr.strip().splitlines() if line.strip()]
+        # The exception's own line ("...ResourceExhaustedError: ..."), not a traceback frame.
+        raised = re.compile(r"^[\w.]*(Error|Exception|Exhausted)\b")
+        message = next((line for line in reversed(lines) if raised.match(line)), lines[-1] if lines else "")
+        return {"error": message[:160] or f"exit {done.returncode} ({_signal_name(done.returncode)})"}
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _signal_name(returncode):
+    """`SIGKILL` for a child killed by signal 9 (the kernel's out-of-memory killer), else ''."""
+    import signal
+
+    try:
+        return signal.Signals(-returncode).name if returncode < 0 else ""
+    except ValueError:
+        return ""
 
 
 def _console():
