@@ -17,6 +17,7 @@ Each configuration runs in a fresh process: peaks never mix.
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -160,8 +161,6 @@ def run(script, arguments, backend, low_mmap_threshold=False, extra_env=None, la
 
 def _signal_name(returncode):
     """`SIGKILL` for a child killed by signal 9 (the kernel's out-of-memory killer), else ''."""
-    import signal
-
     try:
         return signal.Signals(-returncode).name if returncode < 0 else ""
     except ValueError:

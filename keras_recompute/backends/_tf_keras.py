@@ -273,13 +273,14 @@ def _bit_values():
 
 def _legacy_dropout(original, generator_owner, args, kwargs, stack, replay_index, recorders):
     inputs, rate, noise_shape = _dropout_arguments(*args, **kwargs)
+    record = None  # what the recorders keep: a `_Seeded` draw, or else the mask packed
     if replay_index >= 0:
-        keep = record = stack[replay_index]._next("dropout")
-        if isinstance(keep, _Packed):
-            keep = keep.keep_mask(stack[replay_index].wait)
-        elif isinstance(keep, _Seeded):
-            keep = keep.keep_mask(inputs, rate, noise_shape)
-            record = _Packed(keep) if recorders else keep
+        replayed = stack[replay_index]._next("dropout")
+        if isinstance(replayed, _Packed):
+            keep = replayed.keep_mask(stack[replay_index].wait)
+            record = replayed  # a nested unit keeps the same bits
+        else:
+            keep = replayed.keep_mask(inputs, rate, noise_shape)
     elif recorders and recorders[0].base_seed is not None and tf.compat.v1.get_default_graph() is not recorders[0].graph:
         # NOTE [ dropout inside a graph branch ]
         # In a TF1-style graph a Dropout driven by the learning-phase
@@ -295,6 +296,7 @@ def _legacy_dropout(original, generator_owner, args, kwargs, stack, replay_index
         # the same mask the plain layer would draw. Its values are 0 or scale.
         scaled = original(generator_owner, tf.ones_like(inputs), rate, noise_shape)
         keep = tf.not_equal(scaled, 0)
+    if recorders and record is None:
         record = _Packed(keep)
     for tape in recorders:
         tape.records.append(("dropout", record))
