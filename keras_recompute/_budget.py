@@ -24,8 +24,18 @@ runs the units last to first. While it runs unit i:
     (benchmarks/budget.py), and checked there on JAX and PyTorch.
 Every option keeps the unit's inputs: its first layers save them, or its
 recompute starts from them.
-So the peak is `resident + outside + max over i of (kept[0..i] + gradients[i..]
-+ transient[i])`, and at the very end, `resident + all gradients + outside`.
+The optimizer's update adds its own temporaries (`update`): Adam's update of
+one variable makes about two of its size (`m * beta_1`, `sqrt(v)`; tf_keras's
+legacy Adam on an embedding's sparse gradient, Keras 3's Adam on any), and in
+a graph TensorFlow runs them while the backward runs, as soon as their inputs
+exist, not after it. So `update` is twice the largest trainable variable,
+counted at every point. On bert4keras BERT-base at batch 8 (an embedding of
+89 MiB, legacy Adam) the step's peak was 45 MiB (`save_dots` on every block)
+and 96 MiB (on all but the last) above the prediction without it, and 13 MiB
+under it with SGD.
+So the peak is `resident + update + outside + max over i of (kept[0..i] +
+gradients[i..] + transient[i])`, and at the very end, `resident + update +
+all gradients + outside`.
 That maximum over a prefix is what makes this more than a knapsack: the
 solver walks the units in order with the prefix sum as its state.
 
@@ -140,17 +150,22 @@ class UnitCosts:
 
 
 class Model:
-    """Everything a plan's peak depends on besides the units' choices (NOTE [ the peak of a plan ])."""
+    """Everything a plan's peak depends on besides the units' choices (NOTE [ the peak of a plan ]).
 
-    def __init__(self, units, resident, outside, outside_gradient_bytes):
+    `update` is what the optimizer's update allocates while the step runs (0
+    for a model with no optimizer yet: its slots are not in `resident` either).
+    """
+
+    def __init__(self, units, resident, outside, outside_gradient_bytes, update=0):
         self.units = list(units)
         self.resident = int(resident)
         self.outside = int(outside)
         self.outside_gradient_bytes = int(outside_gradient_bytes)
+        self.update = int(update)
 
     def peak(self, choice):
         """The predicted peak, in bytes, with `choice[i]` the policy of unit i (`"none"`: kept)."""
-        peak = self.resident + self.outside + self.outside_gradient_bytes + sum(u.gradient_bytes for u in self.units)
+        peak = self._fixed() + self.outside_gradient_bytes + sum(u.gradient_bytes for u in self.units)
         kept = 0
         for index, (unit, policy) in enumerate(zip(self.units, choice)):
             option = unit.options[policy]
@@ -166,13 +181,17 @@ class Model:
         return self.outside + sum(unit.options[policy].kept for unit, policy in zip(self.units, choice))
 
     def _base(self, index):
-        """Resident, outside, and the gradients that exist while unit `index`'s backward runs."""
-        return self.resident + self.outside + sum(u.gradient_bytes for u in self.units[index:])
+        """The fixed part, and the gradients that exist while unit `index`'s backward runs."""
+        return self._fixed() + sum(u.gradient_bytes for u in self.units[index:])
+
+    def _fixed(self):
+        """What every point of the step holds whatever the plan: resident, the update, outside."""
+        return self.resident + self.update + self.outside
 
     def floor(self):
         """The least peak any plan reaches, to 0.1% (the solver, bisected over budgets)."""
         plain = self.peak([NONE] * len(self.units))
-        low, high = self.resident + self.outside, plain
+        low, high = self._fixed(), plain
         while high - low > max(1, high // 1000):
             middle = (low + high) // 2
             low, high = (low, middle) if solve(self, middle) is not None else (middle, high)
@@ -193,7 +212,7 @@ def solve(model, budget, quanta=2000):
     """
     if not model.units:
         return [] if model.peak([]) <= budget else None
-    room = budget - model.resident - model.outside
+    room = budget - model._fixed()
     if room < 0:
         return None
     quantum = max(1, math.ceil(room / quanta))

@@ -117,7 +117,7 @@ def compiled_peak(model, inputs, measured):
     step_bytes = getattr(_measuring_backend(model), "step_bytes", None)
     if step_bytes is None:
         return None
-    return measured.resident + step_bytes(model, inputs)
+    return measured.resident + measured.update + step_bytes(model, inputs)  # the step has no update in it
 
 
 def costs(model, units, inputs):
@@ -188,7 +188,7 @@ def _measure(model, units, inputs, backend):
         resident = _variable_bytes(model.variables) + _optimizer_bytes(model) + _tensor_bytes(inputs)
         unit_gradients = sum(u.gradient_bytes for u in unit_costs)
         outside_gradients = max(0, _variable_bytes(model.trainable_variables) - unit_gradients)
-        return _budget.Model(unit_costs, resident, outside, outside_gradients)
+        return _budget.Model(unit_costs, resident, outside, outside_gradients, _update_bytes(model))
     finally:
         for variable, value in zip(state, saved):
             variable.assign(value)
@@ -352,6 +352,13 @@ def _tensor_bytes(tree):
         if hasattr(leaf, "shape") and hasattr(leaf, "dtype") and not isinstance(leaf, type):
             total += _shape_bytes(leaf.shape, leaf.dtype)
     return total
+
+
+def _update_bytes(model):
+    """What the optimizer's update allocates at once: twice the largest weight (NOTE [ the peak of a plan ])."""
+    if getattr(model, "optimizer", None) is None:
+        return 0
+    return 2 * max((_variable_bytes([v]) for v in model.trainable_variables), default=0)
 
 
 def _optimizer_bytes(model):

@@ -24,6 +24,7 @@ layers of every family) or with `pay_attention_to` (bert4keras).
 
 import contextlib
 import inspect
+import threading
 import types
 
 from keras_recompute import _context
@@ -35,6 +36,23 @@ POLICIES = (FULL, SAVE_DOTS, ATTENTION_CORE)
 
 # The method that computes an attention layer's core, by the library that names it so.
 _CORE_METHODS = ("_compute_attention", "pay_attention_to")
+
+
+_STATE = threading.local()
+
+
+def keeps_dropout_masks(policy):
+    """Whether a recomputed call keeps its dropout masks rather than drawing them again.
+
+    The two policies trade memory for time, and keep them, a bit an element
+    (Keras 3 on PyTorch and on TensorFlow: NOTE [ dropout masks under the
+    policies ] in `backends/torch.py`, `_KeptMasks` in `backends/tensorflow.py`;
+    JAX draws them again inside its compiled program, where they cost little);
+    `"full"` keeps the least and draws them again. An attention core
+    recomputed under `"attention_core"` is a `"full"` call made inside
+    `cores_recomputed`, which keeps them too.
+    """
+    return policy == SAVE_DOTS or getattr(_STATE, "cores", 0) > 0
 
 
 def check(policy, where):
@@ -81,7 +99,11 @@ def cores_recomputed(layers, recompute, check):
             name = core_method(layer)
             core = _recomputed_core(layer, name, recompute, check)
             stack.enter_context(_context.instance_attribute(layer, name, core))
-        yield
+        _STATE.cores = getattr(_STATE, "cores", 0) + 1
+        try:
+            yield
+        finally:
+            _STATE.cores -= 1
 
 
 def _recomputed_core(layer, name, recompute, check):

@@ -160,6 +160,121 @@ def test_save_dots_runs_no_weight_matmul_again_on_torch():
     assert save_dots["batched"] == plain["batched"] + 2
 
 
+class UnseededBlock(AttentionBlock):
+    """Dropouts without a seed: on torch they draw from torch's global generator (Keras's fast path)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.attention = layers.MultiHeadAttention(2, 8, dropout=0.2)
+        self.dropout = layers.Dropout(0.3)
+
+
+class TorchRandBlock(UnseededBlock):
+    """Also draws from torch's global generator outside Keras's dropout: a save_dots unit draws its masks again."""
+
+    def call(self, inputs, training=None):
+        import torch
+
+        return super().call(inputs + 0.01 * torch.rand(inputs.shape), training=training)
+
+
+def _bernoulli_draws(layer_class, policy):
+    """The elements `bernoulli` draws in one eager training step of a `layer_class` block under `policy`."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.elements = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func._overloadpacket in (torch.ops.aten.bernoulli, torch.ops.aten.bernoulli_):
+                self.elements += args[0].numel()
+            return func(*args, **(kwargs or {}))
+
+    keras.utils.set_random_seed(0)
+    layer = layer_class() if policy is None else recomputed_class(layer_class, policy=policy)()
+    with recompute_scope(False):
+        train_call(layer, [X])
+    with recompute_scope(True), Count() as mode:
+        loss_and_gradients(layer, [X], "eager", train_call)
+    return mode.elements
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="PyTorch's dispatched ops")
+@pytest.mark.parametrize("layer_class", [AttentionBlock, UnseededBlock, TorchRandBlock])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_the_policies_keep_dropout_masks_on_torch(policy, layer_class):
+    """NOTE [ dropout masks under the policies ]: no mask is drawn twice, and every gradient is the twin's."""
+    compare_with_twin(layer_class, [X], "eager", steps=2, policy=policy)
+    plain, recomputed = _bernoulli_draws(layer_class, None), _bernoulli_draws(layer_class, policy)
+    # The block's dropouts: 2 x 2 x 6 x 6 attention probabilities, 2 x 6 x 32 in the FFN.
+    assert plain == 2 * 2 * 6 * 6 + 2 * 6 * 32
+    if policy == "full" or (policy == "save_dots" and layer_class is TorchRandBlock):
+        assert recomputed == 2 * plain  # drawn again: full keeps no mask; torch.rand in the unit
+    else:
+        assert recomputed == plain  # under attention_core, torch.rand runs outside the recomputed core
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="PyTorch's dispatched ops")
+def test_kept_dropout_masks_under_bfloat16_on_torch():
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    try:
+        compare_with_twin(UnseededBlock, [X], "eager", rtol=1e-2, policy="save_dots")
+        assert _bernoulli_draws(UnseededBlock, "save_dots") == _bernoulli_draws(UnseededBlock, None)
+    finally:
+        keras.config.set_dtype_policy("float32")
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="PyTorch's dispatched ops")
+def test_the_kept_dropout_masks_are_a_bit_an_element():
+    from keras_recompute import _context
+    from keras_recompute.backends import torch as torch_backend
+
+    layer = block()
+    kept = {}
+    for policy in ("full", "save_dots"):
+        call = recompute_grad(layer.call, enabled=True, policy=policy)
+        with _context.instance_attribute(layer, "call", call):
+            kept[policy] = torch_backend.measure_unit(layer, (X,), {"training": True}, policy, timed=False)[0]
+    # save_dots keeps the outputs of the six weight matmuls (query, key, value: 2 x 6 x 2 x 8; output,
+    # down: 2 x 6 x 16; up: 2 x 6 x 32) and the two dropout masks (144 and 384 elements), packed.
+    matmuls = (5 * 2 * 6 * 16 + 2 * 6 * 32) * 4
+    assert kept["save_dots"] - kept["full"] == matmuls + (144 + 384) // 8
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's stateless draws")
+@pytest.mark.parametrize("mode", ["eager", "function"])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_the_policies_keep_dropout_masks_on_tensorflow(policy, mode):
+    """The policies draw each dropout mask once (a graph: once in the traced step), full twice."""
+    from tensorflow.python.ops import stateless_random_ops
+
+    original = stateless_random_ops.stateless_random_uniform
+    shapes = []
+
+    def counting(*args, **kwargs):
+        drawn = original(*args, **kwargs)
+        shapes.append(tuple(drawn.shape))
+        return drawn
+
+    def draws(policy):
+        layer = block(policy)
+        del shapes[:]
+        stateless_random_ops.stateless_random_uniform = counting
+        try:
+            with recompute_scope(True):
+                loss_and_gradients(layer, [X], mode, train_call)
+        finally:
+            stateless_random_ops.stateless_random_uniform = original
+        return sorted(s for s in shapes if len(s) >= 3)  # the recompute check's own draws are matrices
+
+    masks = [(2, 2, 6, 6), (2, 6, 32)]  # attention probabilities, FFN
+    assert draws(None) == masks
+    assert draws(policy) == (sorted(masks * 2) if policy == "full" else masks)
+
+
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="XLA's program of a TensorFlow step")
 def test_save_dots_runs_no_weight_matmul_again_under_xla():
     import tensorflow as tf

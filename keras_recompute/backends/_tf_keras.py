@@ -264,6 +264,8 @@ class _Packed:
     def keep_mask(self, wait):
         bits = wait(self.bits) if wait is not None else self.bits
         keep = tf.not_equal(tf.bitwise.bitwise_and(bits[:, None], _bit_values()), 0)
+        if isinstance(self.shape, tf.TensorShape) and self.shape.num_elements() % 8 == 0:
+            return tf.reshape(keep, self.shape)  # no padding to cut: no copy
         return tf.reshape(tf.reshape(keep, [-1])[: tf.reduce_prod(self.shape)], self.shape)
 
 

@@ -31,13 +31,15 @@ the recomputed tensors); `check=False` turns it off.
 """
 
 import contextlib
+import threading
 
 import keras
 import torch
 from torch.utils import checkpoint as torch_checkpoint
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from keras_recompute import _policy
+from keras_recompute._errors import RecomputeError
 from keras_recompute.backends import _keras3
 
 
@@ -65,6 +67,7 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full"):
         # Nothing is saved for a backward that will not run.
         return fn(*args, **kwargs)
     state = _keras3.capture(owner, _snapshot)
+    tape = _DropoutTape() if _policy.keeps_dropout_masks(policy) and _dropout_replayable() else None
 
     def run(*call_args, **call_kwargs):
         # NOTE [ inputs written in place ]: a call may write its inputs in
@@ -80,7 +83,9 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full"):
         forward, recompute = contextlib.nullcontext(), contextlib.nullcontext()
         if policy == _policy.SAVE_DOTS:
             forward, recompute = torch_checkpoint.create_selective_checkpoint_contexts(_save_dots)
-        return forward, _Recomputing(_keras3.replay(state, owner), recompute)
+        if tape is None:
+            return forward, _Contexts(_keras3.replay(state, owner), recompute)
+        return _Contexts(tape.recording(), forward), _Contexts(_keras3.replay(state, owner), recompute, tape.replaying())
 
     with torch_checkpoint.set_checkpoint_early_stop(False):
         return torch_checkpoint.checkpoint(
@@ -114,12 +119,12 @@ def _copy(value):
     return value.clone() if isinstance(value, torch.Tensor) and value.is_floating_point() else value
 
 
-class _Recomputing:
-    """The recompute's context: Keras's replayed state, and torch's own."""
+class _Contexts:
+    """Several contexts as one, entered in order (`context_fn` returns one for each run)."""
 
-    def __init__(self, replay, torch_context):
+    def __init__(self, *contexts):
         self._stack = contextlib.ExitStack()
-        self._contexts = (replay, torch_context)
+        self._contexts = contexts
 
     def __enter__(self):
         for context in self._contexts:
@@ -131,6 +136,178 @@ class _Recomputing:
 
 
 
+# NOTE [ dropout masks under the policies ]
+# On the CPU, torch draws dropout's random bits slowly: `bernoulli_` on a
+# B x H x S x S attention tensor took five times the softmax and the score
+# matmul together (2 x 12 x 512 x 512: 70 ms against 6.5 and 8 ms). A
+# recompute that draws the masks again pays that once more. Under
+# `"save_dots"` and for the cores of `"attention_core"` (NOTE [ policies ]),
+# which trade memory for time, the forward keeps each dropout's keep mask, a
+# bit an element (1/32 of the float tensor it masks), and the recompute
+# builds the same noise from it instead of drawing. While such a call runs,
+# Keras's dropout on torch runs as `_dropout`: the same ops in the same
+# order (the fast path is `F.dropout`, whose CPU kernel is `empty_like`,
+# `bernoulli_(1 - p)`, `div_(1 - p)` and a product; `_dropout_replayable`
+# checks once that they agree bit for bit, and else nothing is replaced), so
+# the forward draws what the plain call draws, and the recompute computes the
+# same values from the kept bits. Keras's seed generators advance as they
+# would. The fast path draws from torch's global generator; if anything else
+# in the call draws from it too, replaying the dropouts would shift that
+# draw, so the tape checks the generator's state around each draw and, if it
+# moved otherwise, the recompute draws everything again (torch restores the
+# generator for it: `preserve_rng_state`). Only CPU tensors are replaced: on
+# an accelerator `F.dropout` is a fused kernel, and the bits cost little.
+# Keras's function is replaced once, for good; it acts as before when no such
+# call runs in its thread.
+_THREADS = threading.local()  # .active: (tape, mode) of the calls running now in the thread, outermost first
+_WEIGHTS = None  # 1, 2, ..., 128 as uint8: the bits of a packed byte
+_MEASURING = []  # lists the bytes of the masks recorded are added to (`measure_unit`)
+
+
+class _DropoutTape:
+    """The keep masks one recomputed call's forward drew, packed, for its recompute."""
+
+    def __init__(self):
+        self.masks = []
+        self.replayable = True
+        self.expected_rng = None
+        self.position = 0
+
+    @contextlib.contextmanager
+    def recording(self):
+        del self.masks[:]
+        self.replayable = True
+        self.expected_rng = torch.get_rng_state()
+        with _active(self, "record"):
+            yield
+        self._check_rng()
+
+    @contextlib.contextmanager
+    def replaying(self):
+        self.position = 0
+        with _active(self, "replay" if self.replayable else "draw"):
+            yield
+
+    def _check_rng(self):
+        if self.replayable and not torch.equal(torch.get_rng_state(), self.expected_rng):
+            self.replayable = False  # something else drew from torch's generator
+
+    def next_mask(self, shape):
+        if self.position >= len(self.masks):
+            raise RecomputeError(
+                "keras_recompute: the recompute of a call ran more dropouts than its forward. A recomputed "
+                "call must compute the same function of its inputs each time."
+            )
+        packed, count = self.masks[self.position]
+        self.position += 1
+        return _unpack(packed, count).reshape(shape)
+
+
+@contextlib.contextmanager
+def _active(tape, mode):
+    """Within it, `tape` records or replays the dropouts of its thread (Keras's function is replaced for good)."""
+    from keras.src.backend.torch import random as torch_random
+
+    if torch_random.dropout is not _dropout:
+        _dropout.original = torch_random.dropout
+        torch_random.dropout = _dropout
+    active = _active_calls()
+    active.append((tape, mode))
+    try:
+        yield
+    finally:
+        active.pop()
+
+
+def _active_calls():
+    if not hasattr(_THREADS, "active"):
+        _THREADS.active = []
+    return _THREADS.active
+
+
+def _dropout(inputs, rate, noise_shape=None, seed=None):
+    """Keras's torch dropout, its keep masks recorded or replayed (NOTE [ dropout masks under the policies ])."""
+    from keras.src.backend.torch import random as torch_random
+    from keras.src.random.seed_generator import SeedGenerator
+
+    active = _active_calls()
+    if not active or not isinstance(rate, float) or rate in (0.0, 1.0) or inputs.device.type != "cpu":
+        return _dropout.original(inputs, rate, noise_shape=noise_shape, seed=seed)
+    seeded = (seed is not None and not (isinstance(seed, SeedGenerator) and seed._initial_seed is None)) or (
+        noise_shape is not None
+    )
+    keep_prob = 1.0 - rate
+    shape = torch_random._get_concrete_noise_shape(inputs, noise_shape) if seeded else inputs.shape
+    source = next(((tape, mode) for tape, mode in active if mode != "record"), None)
+    if source is not None and source[1] == "replay":
+        with _disable_current_modes():  # bookkeeping: the selective checkpoint's mode sees only the call's ops
+            mask = source[0].next_mask(shape)
+        if seeded:
+            torch_random.torch_seed_generator(seed)  # the seed generator advances as in the forward
+    elif seeded:
+        generator = torch_random.torch_seed_generator(seed)
+        mask = torch.bernoulli(torch.full(shape, keep_prob, device=inputs.device), generator=generator).bool()
+    else:  # F.dropout's ops on the CPU, each as it runs them
+        recorders = [tape for tape, mode in active if mode == "record"]
+        for tape in recorders:
+            tape._check_rng()
+        noise = torch.empty_like(inputs)
+        noise.bernoulli_(keep_prob)
+        noise.div_(keep_prob)
+        if recorders:
+            after = torch.get_rng_state()
+            for tape in recorders:
+                tape.expected_rng = after
+            with _disable_current_modes():
+                mask = noise.ne(0)
+    recorders = [tape for tape, mode in active if mode == "record"]
+    if recorders:
+        with _disable_current_modes():
+            packed = _pack(mask)
+        for tape in recorders:
+            tape.masks.append((packed, mask.numel()))
+        for sizes in _MEASURING:
+            sizes.extend([packed.nbytes] * len(recorders))
+    if seeded:
+        return torch.where(torch.broadcast_to(mask, inputs.shape), inputs / keep_prob, torch.zeros_like(inputs))
+    if source is not None and source[1] == "replay":
+        with _disable_current_modes():
+            noise = mask.to(inputs.dtype)  # what bernoulli_ wrote: ones and zeros
+            noise.div_(keep_prob)
+    return inputs * noise
+
+
+def _pack(mask):
+    flat = mask.reshape(-1)
+    pad = -flat.numel() % 8
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    return (flat.view(-1, 8).view(torch.uint8) * _WEIGHTS).sum(1, dtype=torch.uint8)
+
+
+def _unpack(packed, count):
+    return packed.unsqueeze(1).bitwise_and(_WEIGHTS).ne(0).reshape(-1)[:count]
+
+
+def _dropout_replayable():
+    """Whether `_dropout`'s ops draw and compute what `F.dropout` does on the CPU (checked once)."""
+    global _WEIGHTS
+    if _WEIGHTS is None:
+        _WEIGHTS = (2 ** torch.arange(8)).to(torch.uint8)
+        x = torch.linspace(-1.0, 1.0, 999)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(1234)
+            plain = torch.nn.functional.dropout(x, p=0.3, training=True)
+            torch.manual_seed(1234)
+            noise = torch.empty_like(x)
+            noise.bernoulli_(0.7)
+            noise.div_(0.7)
+        rebuilt = _unpack(_pack(noise.ne(0)), x.numel()).to(x.dtype)
+        rebuilt.div_(0.7)
+        _dropout_replayable.result = bool(torch.equal(plain, x * noise) and torch.equal(plain, x * rebuilt))
+    return _dropout_replayable.result
+
+
 # NOTE [ measuring a unit on PyTorch ]
 # Saved-tensor hooks see every tensor autograd keeps for the backward, and
 # torch's checkpoint saves the call's inputs under them (the recomputed
@@ -138,8 +315,10 @@ class _Recomputing:
 # without the weights and the call's inputs (held anyway), they are what the
 # unit keeps. Under `"save_dots"` the selective checkpoint also keeps the
 # outputs of the matmuls its policy marks, in a cache the hooks do not see: a
-# dispatch mode adds them up with the same test (`_save_dots`). Its forward and
-# backward is what `_memory` times.
+# dispatch mode adds them up with the same test (`_save_dots`); and the
+# policies keep packed dropout masks (NOTE [ dropout masks under the
+# policies ]), which `_dropout` reports. Its forward and backward is what
+# `_memory` times.
 
 
 def measure_unit(layer, args, kwargs, policy, timed=True):
@@ -180,10 +359,15 @@ def measure_unit(layer, args, kwargs, policy, timed=True):
             return tensor
 
         dots = _DotBytes() if measure and policy == _policy.SAVE_DOTS else contextlib.nullcontext()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), dots:
-            outputs = layer(*call_args, **call_kwargs)
+        masks = []  # the dropout masks a policy keeps (NOTE [ dropout masks under the policies ])
+        _MEASURING.append(masks)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), dots:
+                outputs = layer(*call_args, **call_kwargs)
+        finally:
+            _MEASURING.remove(masks)
         if measure:  # no backward: what the forward keeps is known, and is freed with `outputs`
-            sizes = list(kept.values()) + (dots.sizes if policy == _policy.SAVE_DOTS else [])
+            sizes = list(kept.values()) + (dots.sizes if policy == _policy.SAVE_DOTS else []) + masks
             return sum(sizes), max(sizes, default=0)
         float_outputs = [o for o in keras.tree.flatten(outputs) if isinstance(o, torch.Tensor) and o.requires_grad]
         loss = sum(o.float().sum() for o in float_outputs)
