@@ -318,6 +318,15 @@ def test_bad_budgets_say_what_and_how(arguments, error, match):
     assert _model.recomputed_units(model) == ["block_0"]  # the earlier plan stays
 
 
+def test_the_update_counted_is_twice_the_largest_weight_once_compiled():
+    from keras_recompute import _memory
+
+    model = blocks_model()  # compiled with Adam
+    largest = max(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)
+    assert _memory._update_bytes(model) == 2 * largest > 0
+    assert _memory._update_bytes(keras.Model(model.inputs, model.outputs)) == 0  # no optimizer: neither slots nor update
+
+
 def test_memory_report_takes_a_model():
     with pytest.raises(TypeError, match="memory_report takes a Keras 3 or tf_keras model"):
         memory_report(lambda x: x, X)

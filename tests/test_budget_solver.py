@@ -118,6 +118,20 @@ def test_the_peak_counts_the_prefix_the_gradients_and_the_transient():
     assert solve(model, 1169) is None and model.floor() == 1170
 
 
+def test_the_optimizer_update_is_counted_at_every_point():
+    units = [
+        UnitCosts("a", {"none": Option("none", 100, 10, 0), "full": Option("full", 0, 110, 1)}, 5),
+        UnitCosts("b", {"none": Option("none", 100, 10, 0), "full": Option("full", 0, 110, 1)}, 5),
+    ]
+    without = Model(units, resident=1000, outside=50, outside_gradient_bytes=7)
+    updated = Model(units, resident=1000, outside=50, outside_gradient_bytes=7, update=40)
+    for choice in itertools.product(("none", "full"), repeat=2):
+        assert updated.peak(list(choice)) == without.peak(list(choice)) + 40
+    assert updated.floor() == without.floor() + 40 == 1210
+    assert solve(without, 1170) == ["full", "none"] and solve(updated, 1170) is None
+    assert solve(updated, 1210) == ["full", "none"]
+
+
 def test_format_bytes():
     assert _budget.format_bytes(512 * 10**6) == "512.0 MB"
     assert _budget.format_bytes(12 * 10**9) == "12.00 GB"
