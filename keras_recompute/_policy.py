@@ -44,11 +44,12 @@ _STATE = threading.local()
 def keeps_dropout_masks(policy):
     """Whether a recomputed call keeps its dropout masks rather than drawing them again.
 
-    The two policies trade memory for time, and keep them, a bit an element
-    (Keras 3 on PyTorch and on TensorFlow: NOTE [ dropout masks under the
-    policies ] in `backends/torch.py`, `_KeptMasks` in `backends/tensorflow.py`;
-    JAX draws them again inside its compiled program, where they cost little);
-    `"full"` keeps the least and draws them again. An attention core
+    The two policies trade memory for time, and keep them, a bit an element,
+    where drawing them again costs: Keras 3 on PyTorch's CPU (NOTE [ dropout
+    masks under the policies ] in `backends/torch.py`). TensorFlow and JAX
+    draw them again from their seeds inside the step's graph or program,
+    where keeping them measured no faster. `"full"` keeps the least and draws
+    them again. An attention core
     recomputed under `"attention_core"` is a `"full"` call made inside
     `cores_recomputed`, which keeps them too.
     """

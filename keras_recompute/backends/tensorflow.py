@@ -29,7 +29,6 @@ forward masks at the start of the step cost +125 MB on the benchmark encoder.
 """
 
 import contextlib
-import threading
 
 import tensorflow as tf
 
@@ -92,7 +91,6 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full"):
     legacy_state = None if _keras3.is_layer(owner) else _tf_keras.capture(owner, name)
     loss_lists = _keras3.loss_lists(owner) or _tf_keras.loss_lists(owner)
     dots = _KeptDots(owner, name, context.trains) if policy == _policy.SAVE_DOTS else None
-    masks = _KeptMasks() if _policy.keeps_dropout_masks(policy) and _keras3.is_layer(owner) else None
     # Filled by the forward: the output structure, and its non-float leaves,
     # which leave the custom gradient by this side door.
     forward = {}
@@ -102,8 +100,7 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full"):
         loss_counts = [len(losses) for losses in loss_lists]
         with stop_recording(), (legacy_state.forward() if legacy_state else contextlib.nullcontext()):
             with dots.recording() if dots else contextlib.nullcontext():
-                with masks.recording() if masks else contextlib.nullcontext():
-                    outputs = call_with(inputs)
+                outputs = call_with(inputs)
         out_leaves = tf.nest.flatten(outputs)
         out_positions = [i for i, leaf in enumerate(out_leaves) if _is_differentiable(leaf)]
         heads = [_Head.of(out_leaves[i]) for i in out_positions]
@@ -134,8 +131,7 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full"):
                 legacy_replay = legacy_state and legacy_state.replay(wait)
                 with keras_replay, (legacy_replay or contextlib.nullcontext()):
                     with dots.replaying(wait) if dots else contextlib.nullcontext():
-                        with masks.replaying(wait) if masks else contextlib.nullcontext():
-                            replayed = call_with(replay_inputs, constants, wait)
+                        replayed = call_with(replay_inputs, constants, wait)
             replayed_heads, checks = expected.compare(tf.nest.flatten(replayed), name)
             replayed_losses = [
                 loss
@@ -265,116 +261,6 @@ class _KeptDots:
             return _activate(layer, _kept_matmul(kept, inputs, linear, variables))
 
         return replay
-
-
-class _KeptMasks:
-    """Keras 3's dropout keep masks, kept by a policy's forward, a bit an element, for its recompute.
-
-    NOTE [ dropout masks under the policies ] in `backends/torch.py` says
-    why; on TensorFlow a mask is a function of its seed, so keeping it saves
-    the recompute the random draw (`stateless_random_uniform` and its
-    comparison), not a shift of a global stream. Keras's dropout runs, while
-    the call runs, as `tf.nn.experimental.general_dropout` with the sampler
-    `stateless_dropout` uses: the same ops, the same values, and the keep
-    mask packed. The recompute runs the tail of those ops (the scaling and
-    the `where`) on the unpacked mask, made to wait for the incoming gradient. Seeds are drawn as before,
-    so Keras's seed generators advance alike. A dropout inside a control-flow
-    branch or loop body (another graph than the call's) keeps nothing: its
-    mask could not leave the branch; the recompute draws that one again from
-    its seed. Nested units keep the outer record's bits. Keras's function is
-    replaced once, for good, and acts as before when no such call runs in
-    its thread: the replicas of a `MirroredStrategy` run in threads, each
-    with its own calls.
-    """
-
-    _threads = threading.local()  # .active: (kept masks, wait or None when recording), outermost first
-
-    def __init__(self):
-        self._masks = []
-        self._graph = None
-        self._position = 0
-
-    @contextlib.contextmanager
-    def recording(self):
-        del self._masks[:]
-        self._graph = tf.compat.v1.get_default_graph()
-        with self._active_as(None):
-            yield
-
-    @contextlib.contextmanager
-    def replaying(self, wait):
-        self._position = 0
-        with self._active_as(wait):
-            yield
-
-    @contextlib.contextmanager
-    def _active_as(self, wait):
-        from keras.src.backend.tensorflow import random as tf_random
-
-        if tf_random.dropout is not _keras3_dropout:
-            _keras3_dropout.original = tf_random.dropout
-            tf_random.dropout = _keras3_dropout
-        active = _KeptMasks.active()
-        active.append((self, wait))
-        try:
-            yield
-        finally:
-            active.pop()
-
-    @staticmethod
-    def active():
-        if not hasattr(_KeptMasks._threads, "active"):
-            _KeptMasks._threads.active = []
-        return _KeptMasks._threads.active
-
-    def _next(self):
-        if self._position >= len(self._masks):
-            raise RecomputeError(
-                "keras_recompute: the recompute of a call ran more dropouts than its forward. A recomputed "
-                "call must compute the same function of its inputs each time."
-            )
-        self._position += 1
-        return self._masks[self._position - 1]
-
-
-def _keras3_dropout(inputs, rate, noise_shape=None, seed=None):
-    """Keras 3's TensorFlow dropout, its keep masks kept or replayed (see `_KeptMasks`)."""
-    from keras.src.backend.tensorflow import random as tf_random
-    from keras.src.random.seed_generator import draw_seed
-    from tensorflow.python.ops import stateless_random_ops
-
-    active = _KeptMasks.active()
-    if not active or not isinstance(rate, float) or rate in (0.0, 1.0):
-        return _keras3_dropout.original(inputs, rate, noise_shape=noise_shape, seed=seed)
-    seed = tf_random._cast_seed(draw_seed(seed))
-    noise_shape = tf_random._get_concrete_noise_shape(inputs, noise_shape)
-    replaying = next(((kept, wait) for kept, wait in active if wait is not None), None)
-    recorders = [kept for kept, wait in active if wait is None]
-    graph = tf.compat.v1.get_default_graph()
-    packed = None
-    if replaying is not None:
-        kept, wait = replaying
-        packed = kept._next()
-        if packed is not None:
-            # The tail of `stateless_dropout` (nn_ops._dropout), op for op, on the kept mask.
-            x = tf.convert_to_tensor(inputs)
-            scaled = tf.raw_ops.Mul(x=x, y=tf.convert_to_tensor(1 / (1 - rate), dtype=x.dtype))
-            output = tf.where(packed.keep_mask(wait), scaled, tf.constant(0, dtype=x.dtype))
-            if not tf.executing_eagerly():
-                output.set_shape(x.shape)
-    if packed is None:
-        drawn = []
-
-        def sampler(shape, dtype):
-            drawn.append(stateless_random_ops.stateless_random_uniform(shape=shape, seed=seed, dtype=dtype))
-            return drawn[0]
-
-        output = tf.nn.experimental.general_dropout(inputs, rate, sampler, noise_shape=noise_shape)
-    if packed is None and any(kept._graph is graph for kept in recorders):
-        packed = _tf_keras._Packed(drawn[0] >= rate)
-    for kept in recorders:
-        kept._masks.append(packed if kept._graph is graph else None)
-    return output
 
 
 def _dense_layers(owner):
