@@ -239,6 +239,7 @@ def _dropout(inputs, rate, noise_shape=None, seed=None):
     keep_prob = 1.0 - rate
     shape = torch_random._get_concrete_noise_shape(inputs, noise_shape) if seeded else inputs.shape
     source = next(((tape, mode) for tape, mode in active if mode != "record"), None)
+    recorders = [tape for tape, mode in active if mode == "record"]
     if source is not None and source[1] == "replay":
         with _disable_current_modes():  # bookkeeping: the selective checkpoint's mode sees only the call's ops
             mask = source[0].next_mask(shape)
@@ -248,7 +249,6 @@ def _dropout(inputs, rate, noise_shape=None, seed=None):
         generator = torch_random.torch_seed_generator(seed)
         mask = torch.bernoulli(torch.full(shape, keep_prob, device=inputs.device), generator=generator).bool()
     else:  # F.dropout's ops on the CPU, each as it runs them
-        recorders = [tape for tape, mode in active if mode == "record"]
         for tape in recorders:
             tape._check_rng()
         noise = torch.empty_like(inputs)
@@ -260,7 +260,6 @@ def _dropout(inputs, rate, noise_shape=None, seed=None):
                 tape.expected_rng = after
             with _disable_current_modes():
                 mask = noise.ne(0)
-    recorders = [tape for tape, mode in active if mode == "record"]
     if recorders:
         with _disable_current_modes():
             packed = _pack(mask)
