@@ -44,14 +44,14 @@ _STATE = threading.local()
 def keeps_dropout_masks(policy):
     """Whether a recomputed call keeps its dropout masks rather than drawing them again.
 
-    The two policies trade memory for time, and keep them, a bit an element,
-    where drawing them again costs: Keras 3 on PyTorch's CPU (NOTE [ dropout
-    masks under the policies ] in `backends/torch.py`). TensorFlow and JAX
-    draw them again from their seeds inside the step's graph or program,
-    where keeping them measured no faster. `"full"` keeps the least and draws
-    them again. An attention core
-    recomputed under `"attention_core"` is a `"full"` call made inside
-    `cores_recomputed`, which keeps them too.
+    The two policies trade memory for time, and keep them where drawing them
+    again costs: Keras 3 on PyTorch's CPU, a bit an element (NOTE [ dropout
+    masks under the policies ] in `backends/torch.py`), and on TensorFlow, a
+    byte an element (NOTE [ dropout masks on TensorFlow under the policies ]
+    in `backends/tensorflow.py`). JAX draws them again inside its compiled
+    program, where they cost little. `"full"` keeps the least and draws them
+    again. An attention core recomputed under `"attention_core"` is a
+    `"full"` call made inside `cores_recomputed`, which keeps them too.
     """
     return policy == SAVE_DOTS or getattr(_STATE, "cores", 0) > 0
 

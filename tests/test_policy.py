@@ -244,6 +244,37 @@ def test_the_kept_dropout_masks_are_a_bit_an_element():
     assert kept["save_dots"] - kept["full"] == matmuls + (144 + 384) // 8
 
 
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's stateless draws")
+@pytest.mark.parametrize("mode", ["eager", "function", "jit"])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_the_policies_keep_dropout_masks_on_tensorflow(policy, mode):
+    """The policies draw each dropout mask once (a graph: once in the traced step), full twice."""
+    from tensorflow.python.ops import stateless_random_ops
+
+    original = stateless_random_ops.stateless_random_uniform
+    shapes = []
+
+    def counting(*args, **kwargs):
+        drawn = original(*args, **kwargs)
+        shapes.append(tuple(drawn.shape))
+        return drawn
+
+    def draws(policy):
+        layer = block(policy)
+        del shapes[:]
+        stateless_random_ops.stateless_random_uniform = counting
+        try:
+            with recompute_scope(True):
+                loss_and_gradients(layer, [X], mode, train_call)
+        finally:
+            stateless_random_ops.stateless_random_uniform = original
+        return sorted(s for s in shapes if len(s) >= 3)  # the recompute check's own draws are matrices
+
+    masks = [(2, 2, 6, 6), (2, 6, 32)]  # attention probabilities, FFN
+    assert draws(None) == masks
+    assert draws(policy) == (sorted(masks * 2) if policy == "full" else masks)
+
+
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="XLA's program of a TensorFlow step")
 def test_save_dots_runs_no_weight_matmul_again_under_xla():
     import tensorflow as tf

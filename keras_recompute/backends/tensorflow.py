@@ -29,6 +29,7 @@ forward masks at the start of the step cost +125 MB on the benchmark encoder.
 """
 
 import contextlib
+import threading
 
 import tensorflow as tf
 
@@ -91,6 +92,7 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full"):
     legacy_state = None if _keras3.is_layer(owner) else _tf_keras.capture(owner, name)
     loss_lists = _keras3.loss_lists(owner) or _tf_keras.loss_lists(owner)
     dots = _KeptDots(owner, name, context.trains) if policy == _policy.SAVE_DOTS else None
+    masks = _KeptMasks() if _policy.keeps_dropout_masks(policy) and _keras3.is_layer(owner) else None
     # Filled by the forward: the output structure, and its non-float leaves,
     # which leave the custom gradient by this side door.
     forward = {}
@@ -100,7 +102,8 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full"):
         loss_counts = [len(losses) for losses in loss_lists]
         with stop_recording(), (legacy_state.forward() if legacy_state else contextlib.nullcontext()):
             with dots.recording() if dots else contextlib.nullcontext():
-                outputs = call_with(inputs)
+                with masks.recording() if masks else contextlib.nullcontext():
+                    outputs = call_with(inputs)
         out_leaves = tf.nest.flatten(outputs)
         out_positions = [i for i, leaf in enumerate(out_leaves) if _is_differentiable(leaf)]
         heads = [_Head.of(out_leaves[i]) for i in out_positions]
@@ -131,7 +134,8 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full"):
                 legacy_replay = legacy_state and legacy_state.replay(wait)
                 with keras_replay, (legacy_replay or contextlib.nullcontext()):
                     with dots.replaying(wait) if dots else contextlib.nullcontext():
-                        replayed = call_with(replay_inputs, constants, wait)
+                        with masks.replaying() if masks else contextlib.nullcontext():
+                            replayed = call_with(replay_inputs, constants, wait)
             replayed_heads, checks = expected.compare(tf.nest.flatten(replayed), name)
             replayed_losses = [
                 loss
@@ -261,6 +265,127 @@ class _KeptDots:
             return _activate(layer, _kept_matmul(kept, inputs, linear, variables))
 
         return replay
+
+
+class _KeptMasks:
+    """Keras 3's dropout keep masks, kept by a policy's forward for its recompute.
+
+    NOTE [ dropout masks on TensorFlow under the policies ]
+    The policies trade memory for time, and on TensorFlow's CPU runtime
+    drawing a mask again is a large part of their recompute: with one op at
+    a time (`benchmarks/tf_profile.py --inter-op 1`, the BERT-base blocks at
+    seq 512) the draws were 62% of the op time `"attention_core"` added to
+    the step and 41% of what `"save_dots"` added. So a policy's forward
+    keeps each mask and its recompute applies it. On TensorFlow a mask is a
+    function of its seed: keeping it saves the `stateless_random_uniform`
+    and its comparison, not a shift of a global stream. The mask is kept as
+    the comparison gave it, a bool, a byte an element (a quarter of the
+    float tensor it masks). Packed to a bit an element (as on PyTorch), the
+    packing and unpacking took what the draw took: measured in turns in one
+    process, `save_dots` and `attention_core` took 1.17x and 1.13x of the
+    plain step drawing again, 1.20x and 1.14x with packed bits, 1.11x and
+    1.07x with kept bools (docs/benchmarks.md, selective recompute). A
+    kept bool needs no wait (NOTE [ ordering the recompute in graphs ]): the
+    `where` that applies it also takes the scaled input, which waits, and it
+    is no copy. Keras's dropout runs, while the call runs, as
+    `tf.nn.experimental.general_dropout` with the sampler
+    `stateless_dropout` uses: the same ops, the same values. The recompute
+    runs the tail of those ops (the scaling and the `where`) on the kept
+    mask. Seeds are drawn as before, so Keras's seed generators advance
+    alike. A dropout inside a control-flow branch or loop body (another
+    graph than the call's) keeps nothing: its mask could not leave the
+    branch; the recompute draws that one again from its seed. Nested units
+    keep the outer record's masks. Keras's function is replaced once, for
+    good, and acts as before when no such call runs in its thread: the
+    replicas of a `MirroredStrategy` run in threads, each with its own
+    calls.
+    """
+
+    _threads = threading.local()  # .active: (kept masks, replaying), outermost first
+
+    def __init__(self):
+        self._masks = []
+        self._graph = None
+        self._position = 0
+
+    @contextlib.contextmanager
+    def recording(self):
+        del self._masks[:]
+        self._graph = tf.compat.v1.get_default_graph()
+        with self._active_as(replaying=False):
+            yield
+
+    @contextlib.contextmanager
+    def replaying(self):
+        self._position = 0
+        with self._active_as(replaying=True):
+            yield
+
+    @contextlib.contextmanager
+    def _active_as(self, replaying):
+        from keras.src.backend.tensorflow import random as tf_random
+
+        if tf_random.dropout is not _keras3_dropout:
+            _keras3_dropout.original = tf_random.dropout
+            tf_random.dropout = _keras3_dropout
+        active = _KeptMasks.active()
+        active.append((self, replaying))
+        try:
+            yield
+        finally:
+            active.pop()
+
+    @staticmethod
+    def active():
+        if not hasattr(_KeptMasks._threads, "active"):
+            _KeptMasks._threads.active = []
+        return _KeptMasks._threads.active
+
+    def _next(self):
+        if self._position >= len(self._masks):
+            raise RecomputeError(
+                "keras_recompute: the recompute of a call ran more dropouts than its forward. A recomputed "
+                "call must compute the same function of its inputs each time."
+            )
+        self._position += 1
+        return self._masks[self._position - 1]
+
+
+def _keras3_dropout(inputs, rate, noise_shape=None, seed=None):
+    """Keras 3's TensorFlow dropout, its keep masks kept or replayed (see `_KeptMasks`)."""
+    from keras.src.backend.tensorflow import random as tf_random
+    from keras.src.random.seed_generator import draw_seed
+    from tensorflow.python.ops import stateless_random_ops
+
+    active = _KeptMasks.active()
+    if not active or not isinstance(rate, float) or rate in (0.0, 1.0):
+        return _keras3_dropout.original(inputs, rate, noise_shape=noise_shape, seed=seed)
+    seed = tf_random._cast_seed(draw_seed(seed))
+    noise_shape = tf_random._get_concrete_noise_shape(inputs, noise_shape)
+    replaying = next((kept for kept, replays in active if replays), None)
+    recorders = [kept for kept, replays in active if not replays]
+    graph = tf.compat.v1.get_default_graph()
+    keep = replaying._next() if replaying is not None else None
+    if keep is not None:
+        # The tail of `stateless_dropout` (nn_ops._dropout), op for op, on the kept mask.
+        x = tf.convert_to_tensor(inputs)
+        scaled = tf.raw_ops.Mul(x=x, y=tf.convert_to_tensor(1 / (1 - rate), dtype=x.dtype))
+        output = tf.where(keep, scaled, tf.constant(0, dtype=x.dtype))
+        if not tf.executing_eagerly():
+            output.set_shape(x.shape)
+    else:
+        drawn = []
+
+        def sampler(shape, dtype):
+            drawn.append(stateless_random_ops.stateless_random_uniform(shape=shape, seed=seed, dtype=dtype))
+            return drawn[0]
+
+        output = tf.nn.experimental.general_dropout(inputs, rate, sampler, noise_shape=noise_shape)
+        if any(kept._graph is graph for kept in recorders):
+            keep = drawn[0] >= rate
+    for kept in recorders:
+        kept._masks.append(keep if kept._graph is graph else None)
+    return output
 
 
 def _dense_layers(owner):
