@@ -1,7 +1,7 @@
 """Where a policy's extra step time goes on TensorFlow: op time by op type, against no recompute.
 
-Trains the BERT-shaped encoder of `benchmarks/memory.py` in a `tf.function`, one
-fresh subprocess per method, and records two steps with TensorFlow's profiler.
+Trains the BERT-shaped encoder of `benchmarks/memory.py` in a `tf.function`
+(`--mode eager`: eagerly), one fresh subprocess per method, and records two steps with TensorFlow's profiler.
 Each op's duration is summed by op type (`_MklBatchMatMulV2`,
 `StatelessRandomUniformV2`, ...), per step; the table prints each method's
 milliseconds and what it adds over `none`, largest first.
@@ -21,6 +21,8 @@ Usage:
     python benchmarks/tf_profile.py --inter-op 1
     python benchmarks/tf_profile.py --blocks 4 --hidden 768 --heads 12 --ffn 3072 --seq 512 \\
         --batch 2 --methods none save_dots attention_core --inter-op 1
+    python benchmarks/tf_profile.py --mode eager --methods none ours tf --blocks 12 --hidden 128 \
+        --heads 4 --ffn 512 --seq 256 --batch 16
 """
 
 import argparse
@@ -52,6 +54,7 @@ def parse_args(argv=None):
     parser.add_argument(
         "--methods", nargs="+", default=["none", "save_dots", "attention_core", "ours"], choices=memory.METHODS[:-1]
     )
+    parser.add_argument("--mode", default="function", choices=("function", "eager"))
     parser.add_argument("--inter-op", type=int, default=0, help="inter-op threads (0: TensorFlow's default)")
     parser.add_argument("--rows", type=int, default=16, help="op types to print")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -62,7 +65,7 @@ PROFILED_STEPS = 2
 
 
 def training_step(args, method):
-    """A traced training step (`tf.function`) of the encoder of `method`, run once."""
+    """A training step (traced, unless `args.mode` is eager) of the encoder of `method`, run once."""
     import tensorflow as tf
     import keras
 
@@ -73,7 +76,6 @@ def training_step(args, method):
     x = tf.random.normal((args.batch, args.seq, args.hidden))
     y = tf.random.normal((args.batch, args.seq, 1))
 
-    @tf.function
     def step():
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
@@ -81,6 +83,8 @@ def training_step(args, method):
         optimizer.apply(grads, model.trainable_variables)
         return loss
 
+    if args.mode == "function":
+        step = tf.function(step)
     step().numpy()
     return step
 
@@ -94,11 +98,12 @@ def child(args):
     if args.child == "all":
         steps = {method: training_step(args, method) for method in args.methods}
         times = {method: [] for method in steps}
-        for _ in range(args.rounds):
-            for method, step in steps.items():
+        for turn in range(args.rounds + 1):  # the first turn is not timed: a step's first call
+            for method, step in steps.items():  # after another model was built is slow
                 start = time.perf_counter()
                 step().numpy()
-                times[method].append(time.perf_counter() - start)
+                if turn:
+                    times[method].append(time.perf_counter() - start)
         print(json.dumps({method: statistics.median(seconds) for method, seconds in times.items()}))
         return
     step = training_step(args, args.child)
@@ -129,18 +134,15 @@ def op_milliseconds(paths):
         for plane in space.planes:
             for line in plane.lines:
                 for event in line.events:
-                    name = plane.event_metadata[event.metadata_id].name
-                    # A TensorFlow op's event is "scope/name:OpType"; the executor's own
-                    # events ("ExecutorState::Process", "EagerLocalExecute: ...") are not ops.
-                    if "::" in name or ": " in name or ":" not in name:
-                        continue
-                    by_type[name.rsplit(":", 1)[1]] += event.duration_ps / 1e9 / PROFILED_STEPS
+                    kind = _op_type(plane.event_metadata[event.metadata_id].name)
+                    if kind:
+                        by_type[kind] += event.duration_ps / 1e9 / PROFILED_STEPS
     return dict(by_type)
 
 
 def run_child(args, which, methods):
     command = [sys.executable, os.path.abspath(__file__), "--child", which, "--methods", *methods]
-    for name in ("blocks", "hidden", "heads", "ffn", "seq", "batch", "dropout", "steps", "rounds", "inter_op"):
+    for name in ("blocks", "hidden", "heads", "ffn", "seq", "batch", "dropout", "steps", "rounds", "mode", "inter_op"):
         command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     env = dict(os.environ, KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="3")
     done = subprocess.run(command, env=env, capture_output=True, text=True)
@@ -148,6 +150,22 @@ def run_child(args, which, methods):
     if done.returncode or not lines:
         raise SystemExit(f"{which} failed:\n{done.stderr[-3000:]}")
     return json.loads(lines[-1])
+
+
+def _op_type(name):
+    """The op type of a profiler event's name, or None where the event is not one op's run.
+
+    In a graph an op's event is "scope/name:OpType"; in eager mode
+    "EagerLocalExecute: OpType" (its dispatch and kernel). The executor's own
+    events ("ExecutorState::Process") and a whole traced function's
+    ("EagerLocalExecute: __inference_step_12") are not ops.
+    """
+    if name.startswith("EagerLocalExecute: "):
+        kind = name[len("EagerLocalExecute: ") :]
+        return None if kind.startswith("__") else kind
+    if "::" in name or ": " in name or ":" not in name:
+        return None
+    return name.rsplit(":", 1)[1]
 
 
 def main():
@@ -161,7 +179,7 @@ def main():
     threads = args.inter_op or "TensorFlow's default"
     print(
         f"{args.blocks} blocks, hidden {args.hidden}, {args.heads} heads, ffn {args.ffn}, seq {args.seq}, "
-        f"batch {args.batch}, dropout {args.dropout}; tf.function; inter-op threads: {threads}"
+        f"batch {args.batch}, dropout {args.dropout}; {args.mode}; inter-op threads: {threads}"
     )
     print("op ms per step, by op type (profiled apart, a process a method); +: added over none")
     others = methods[1:]
