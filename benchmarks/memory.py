@@ -112,11 +112,12 @@ def build_encoder(args, method, keras):
     return make()
 
 
-def child(args):
-    """Trains one configuration and prints one JSON line."""
-    method, mode = args.child
-    if mode == "graph":
-        return graph_child(args, method)
+def training_step(args, method, mode):
+    """The encoder of `method` with Adam, and its training step on a fixed batch, run once.
+
+    Returns the step as a function of no arguments; `mode` is "eager",
+    "function" (a `tf.function`) or "jit" (`jit_compile=True`). Keras 3.
+    """
     import tensorflow as tf
     import keras
 
@@ -137,12 +138,23 @@ def child(args):
     if mode != "eager":
         step = tf.function(step, jit_compile=(mode == "jit"))
     step(x, y).numpy()  # build, trace, compile
+    return lambda: step(x, y)
+
+
+def child(args):
+    """Trains one configuration and prints one JSON line."""
+    method, mode = args.child
+    if mode == "graph":
+        return graph_child(args, method)
+    import tensorflow as tf
+
+    step = training_step(args, method, mode)
     resident = tf.config.experimental.get_memory_info("CPU:0")["current"]
     tf.config.experimental.reset_memory_stats("CPU:0")
     times = []
     for _ in range(args.steps):
         start = time.perf_counter()
-        step(x, y).numpy()
+        step().numpy()
         times.append(time.perf_counter() - start)
     peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
     print(json.dumps({"peak_mb": peak / 2**20, "step_mb": (peak - resident) / 2**20, "step_s": min(times)}))

@@ -64,31 +64,6 @@ def parse_args(argv=None):
 PROFILED_STEPS = 2
 
 
-def training_step(args, method):
-    """A training step (traced, unless `args.mode` is eager) of the encoder of `method`, run once."""
-    import tensorflow as tf
-    import keras
-
-    keras.utils.set_random_seed(0)
-    model = memory.build_encoder(args, method, keras)
-    optimizer = keras.optimizers.Adam(1e-4)
-    optimizer.build(model.trainable_variables)
-    x = tf.random.normal((args.batch, args.seq, args.hidden))
-    y = tf.random.normal((args.batch, args.seq, 1))
-
-    def step():
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply(grads, model.trainable_variables)
-        return loss
-
-    if args.mode == "function":
-        step = tf.function(step)
-    step().numpy()
-    return step
-
-
 def child(args):
     """Profiles one method, or times them all in turns ("all"); prints one JSON line."""
     import tensorflow as tf
@@ -96,7 +71,7 @@ def child(args):
     if args.inter_op:
         tf.config.threading.set_inter_op_parallelism_threads(args.inter_op)
     if args.child == "all":
-        steps = {method: training_step(args, method) for method in args.methods}
+        steps = {method: memory.training_step(args, method, args.mode) for method in args.methods}
         times = {method: [] for method in steps}
         for turn in range(args.rounds + 1):  # the first turn is not timed: a step's first call
             for method, step in steps.items():  # after another model was built is slow
@@ -106,7 +81,7 @@ def child(args):
                     times[method].append(time.perf_counter() - start)
         print(json.dumps({method: statistics.median(seconds) for method, seconds in times.items()}))
         return
-    step = training_step(args, args.child)
+    step = memory.training_step(args, args.child, args.mode)
     for _ in range(args.steps):
         step().numpy()
     with tempfile.TemporaryDirectory() as logdir:
