@@ -20,6 +20,19 @@ the forward assigns (seed states, moving statistics) are put back after, so
 measuring changes nothing in the model. The result is kept on the model per
 input shape: planning again, or a report after a plan, measures nothing.
 A unit's recompute time is its step's time with the option minus without.
+
+NOTE [ which execution a plan is for ]
+One model keeps more in a step run eagerly than in a compiled one (a
+`tf.function` or XLA step, `jax.jit`): on TensorFlow an 8-block encoder
+peaked at 1574 MB eager and 741 MB in a `tf.function`
+(NOTE [ measuring for eager execution ] in `backends/tensorflow.py`). A plan is
+made for one of the two, `execution=`:
+  * `"compiled"`: a compiled model that does not `run_eagerly` (its `fit` and
+    `train_on_batch` run a compiled step), or named by the user;
+  * `"eager"`: a model compiled with `run_eagerly=True`, or a model not
+    compiled at all, whose training loop is the user's and may run eagerly
+    (the larger peak: a plan for it fits either way), or named by the user.
+PyTorch runs eagerly: `"eager"` always. The report says which, and why.
 """
 
 import contextlib
@@ -27,6 +40,10 @@ import re
 import time
 
 from keras_recompute import _budget, _context, _policy
+
+EAGER = "eager"
+COMPILED = "compiled"
+EXECUTIONS = (EAGER, COMPILED)
 
 _COSTS = "_keras_recompute_costs"
 _REPEATS = 9
@@ -45,10 +62,16 @@ class MemoryReport:
         floor: the least peak any plan over these units reaches.
         plain_peak: the predicted peak with no unit recomputed.
         measure_seconds: what measuring the units took (0 when it was cached).
+        execution: the execution the prediction is for, `"eager"` or
+            `"compiled"` (NOTE [ which execution a plan is for ]).
+        execution_reason: why that one.
     """
 
-    def __init__(self, title, rows, predicted_peak, resident, floor, plain_peak, measure_seconds):
+    def __init__(self, title, rows, predicted_peak, resident, floor, plain_peak, measure_seconds, execution=COMPILED,
+                 execution_reason=""):
         self.title = title
+        self.execution = execution
+        self.execution_reason = execution_reason
         self.rows = rows
         self.predicted_peak = predicted_peak
         self.resident = resident
@@ -75,7 +98,8 @@ class MemoryReport:
             if index == 0:
                 text.append("  ".join("-" * width for width in widths))
         text.append(
-            f"predicted peak of a training step: {_budget.format_bytes(self.predicted_peak)} "
+            f"predicted peak of a training step run {'eagerly' if self.execution == EAGER else 'compiled'} "
+            f"({self.execution_reason}): {_budget.format_bytes(self.predicted_peak)} "
             f"(weights, optimizer and batch {_budget.format_bytes(self.resident)}; with no recompute "
             f"{_budget.format_bytes(self.plain_peak)}; the least any plan reaches {_budget.format_bytes(self.floor)})"
         )
@@ -85,9 +109,13 @@ class MemoryReport:
         return f"<MemoryReport {len(self.rows)} units, predicted peak {_budget.format_bytes(self.predicted_peak)}>"
 
 
-def report(model, units, inputs, current):
-    """The `MemoryReport` of `units` of `model` at `inputs`; `current[i]` is unit i's policy now."""
-    measured, seconds = costs(model, units, inputs)
+def report(model, units, inputs, current, execution=None):
+    """The `MemoryReport` of `units` of `model` at `inputs`; `current[i]` is unit i's policy now.
+
+    `execution`: `"eager"`, `"compiled"`, or None to infer it (`execution_of`).
+    """
+    execution, reason = execution_of(model, execution, "memory_report")
+    measured, seconds = costs(model, units, inputs, execution)
     rows = []
     for unit, unit_costs, policy in zip(units, measured.units, current):
         options = unit_costs.options
@@ -100,34 +128,72 @@ def report(model, units, inputs, current):
             }
         )
     plain = measured.peak([_budget.NONE] * len(units))
-    predicted = compiled_peak(model, inputs, measured)
+    predicted = compiled_peak(model, inputs, measured, execution)
     if predicted is None:
         predicted = measured.peak(current)
     elif all(policy == _budget.NONE for policy in current):
         plain = predicted
     title = f"keras_recompute memory report: {model.name!r}, {len(units)} units, {_backend_name(model)}"
-    return MemoryReport(title, rows, predicted, measured.resident, measured.floor(), plain, seconds)
+    return MemoryReport(title, rows, predicted, measured.resident, measured.floor(), plain, seconds, execution, reason)
 
 
-def compiled_peak(model, inputs, measured):
+def execution_of(model, execution, where):
+    """`(execution, reason)`: the execution a plan of `model` is for (NOTE [ which execution a plan is for ]).
+
+    Raises:
+        ValueError: for an `execution` that is not `"eager"`, `"compiled"` or
+            None, and for `"compiled"` on PyTorch.
+    """
+    backend = _backend_name(model)
+    if execution is not None:
+        if not (isinstance(execution, str) and execution in EXECUTIONS):
+            raise ValueError(
+                f"keras_recompute: {where}(execution=...) got {execution!r}; valid values are {list(EXECUTIONS)}: "
+                "'eager' for a training step that runs op by op (a `tf.GradientTape` loop not in `tf.function`, "
+                "`run_eagerly=True`), 'compiled' for one in `tf.function`, XLA or `jax.jit` (a compiled model's "
+                "`fit`). Leave it out to infer it from the model."
+            )
+        if execution == COMPILED and backend.endswith("torch"):
+            raise ValueError(
+                f"keras_recompute: {where}(execution='compiled') on PyTorch: Keras runs PyTorch eagerly, and the "
+                "plan is made for that. Leave execution= out, or pass 'eager'."
+            )
+        return execution, f"execution={execution!r}"
+    if backend.endswith("torch"):
+        return EAGER, "PyTorch runs eagerly"
+    compiled = getattr(model, "compiled", None)
+    compiled = getattr(model, "_is_compiled", False) if compiled is None else compiled
+    if not compiled:
+        return EAGER, (
+            "the model is not compiled, so its training loop may run eagerly; pass execution='compiled' "
+            "for a step in tf.function or jax.jit"
+        )
+    if getattr(model, "run_eagerly", False):
+        return EAGER, "compiled with run_eagerly=True"
+    return COMPILED, "compiled: fit runs a compiled step"
+
+
+def compiled_peak(model, inputs, measured, execution=COMPILED):
     """The peak of a step of `model` as it stands, where a compiler states it (JAX), else None.
 
-    NOTE [ checking a plan on JAX ] in `backends/jax.py`.
+    NOTE [ checking a plan on JAX ] in `backends/jax.py`. None for an eager step.
     """
+    if execution != COMPILED:
+        return None
     step_bytes = getattr(_measuring_backend(model), "step_bytes", None)
     if step_bytes is None:
         return None
     return measured.resident + measured.update + step_bytes(model, inputs)  # the step has no update in it
 
 
-def costs(model, units, inputs):
-    """The `_budget.Model` of `model` at `inputs`, measured or cached, and the seconds measuring took."""
-    key = (tuple(id(unit) for unit in units), _signature(inputs))
+def costs(model, units, inputs, execution=COMPILED):
+    """The `_budget.Model` of `model` at `inputs` for `execution`, measured or cached, and the seconds measuring took."""
+    key = (tuple(id(unit) for unit in units), _signature(inputs), execution)
     cache = model.__dict__.get(_COSTS)
     if cache is not None and cache.key == key:
         return cache.model, 0.0
     start = time.perf_counter()
-    measured = _measure(model, units, inputs, _measuring_backend(model))
+    measured = _measure(model, units, inputs, _measuring_backend(model), execution)
     object.__setattr__(model, _COSTS, _Cached(key, measured))
     return measured, time.perf_counter() - start
 
@@ -169,7 +235,7 @@ def options_of(unit):
     return options
 
 
-def _measure(model, units, inputs, backend):
+def _measure(model, units, inputs, backend, execution):
     from keras_recompute._decorator import _undecorated, recompute_grad
 
     state = [v for v in model.variables if not _trainable(v)]
@@ -181,9 +247,11 @@ def _measure(model, units, inputs, backend):
             args, kwargs, sizes = records[id(unit)]
             kind = _unit_kind(unit, args, kwargs)
             if kind not in costs_by_kind:
-                costs_by_kind[kind] = _measure_options(unit, args, kwargs, backend, _undecorated(unit.call), recompute_grad)
+                costs_by_kind[kind] = _measure_options(
+                    unit, args, kwargs, backend, _undecorated(unit.call), recompute_grad, execution
+                )
             unit_costs.append(_unit_costs(unit, costs_by_kind[kind], *sizes))
-        whole = _whole_model_kept(model, units, inputs, backend, _undecorated, recompute_grad)
+        whole = _whole_model_kept(model, units, inputs, backend, _undecorated, recompute_grad, execution)
         outside = max(0, whole - sum(u.options[_policy.FULL].kept for u in unit_costs))
         resident = _variable_bytes(model.variables) + _optimizer_bytes(model) + _tensor_bytes(inputs)
         unit_gradients = sum(u.gradient_bytes for u in unit_costs)
@@ -194,13 +262,13 @@ def _measure(model, units, inputs, backend):
             variable.assign(value)
 
 
-def _measure_options(unit, args, kwargs, backend, base, recompute_grad):
+def _measure_options(unit, args, kwargs, backend, base, recompute_grad, execution):
     """`{option: (kept, largest, seconds)}` for one unit; the options' steps are timed in turns."""
     measured, steps = {}, {}
     for option in options_of(unit):
         call = base if option == _budget.NONE else recompute_grad(base, enabled=True, policy=option)
         with _context.instance_attribute(unit, "call", call):
-            kept, largest, step = backend.measure_unit(unit, args, kwargs, option)
+            kept, largest, step = backend.measure_unit(unit, args, kwargs, option, execution=execution)
         measured[option] = (kept, largest)
         steps[option] = _patched(unit, call, step)
     # In turns, so that a slower spell of the machine falls on every option alike; the fastest counts.
@@ -270,7 +338,7 @@ def _no_gradient(backend):
     return contextlib.nullcontext()
 
 
-def _whole_model_kept(model, units, inputs, backend, undecorated, recompute_grad):
+def _whole_model_kept(model, units, inputs, backend, undecorated, recompute_grad, execution):
     """What the whole model keeps with every unit recomputed ("full"): its units' inputs, and the rest.
 
     Measured with the units recomputed, not plain: where the measurement runs
@@ -281,7 +349,7 @@ def _whole_model_kept(model, units, inputs, backend, undecorated, recompute_grad
         for unit in units:
             full = recompute_grad(undecorated(unit.call), enabled=True, policy=_policy.FULL)
             stack.enter_context(_context.instance_attribute(unit, "call", full))
-        kept, _, _ = backend.measure_unit(model, (inputs,), {"training": True}, _policy.FULL, timed=False)
+        kept, _, _ = backend.measure_unit(model, (inputs,), {"training": True}, _policy.FULL, timed=False, execution=execution)
     return kept
 
 

@@ -41,7 +41,16 @@ _PIECES = "_keras_recompute_pieces"
 
 
 def recompute_model(
-    model, blocks="auto", *, segments=None, limit=None, policy="full", enabled=None, budget=None, inputs=None
+    model,
+    blocks="auto",
+    *,
+    segments=None,
+    limit=None,
+    policy="full",
+    enabled=None,
+    budget=None,
+    inputs=None,
+    execution=None,
 ):
     """Recomputes units of an existing model in the backward pass, without editing its classes.
 
@@ -83,6 +92,13 @@ def recompute_model(
             solver ] in `_budget`). `memory_report` shows the plan.
         inputs: with `budget`, a batch of the size training will use, as the
             model takes it.
+        execution: with `budget`, how the training step will run, which
+            decides what it keeps (NOTE [ which execution a plan is for ] in
+            `_memory`): `"eager"` (a `tf.GradientTape` loop not wrapped in
+            `tf.function`, `run_eagerly=True`, PyTorch) or `"compiled"`
+            (`tf.function`, XLA, `jax.jit`, a compiled model's `fit`). `None`
+            infers it: a compiled model's own setting, else `"eager"`, the
+            larger peak. `memory_report` states which one a plan is for.
 
     Returns:
         `model` itself.
@@ -93,7 +109,8 @@ def recompute_model(
             a graph to cut, a model where `"auto"` finds no units,
             `"attention_core"` on units without an attention layer, a budget
             that cannot be read, `budget` without `inputs` or with `limit`,
-            or a budget below the least peak any plan reaches.
+            `inputs` or `execution` without `budget`, an unknown
+            `execution`, or a budget below the least peak any plan reaches.
         TypeError: if `model` is not a Keras layer, or `enabled` not a bool.
 
     Example:
@@ -106,7 +123,7 @@ def recompute_model(
     ```
     """
     _check_options(model, blocks, segments, limit, policy, enabled)
-    _check_budget_options(budget, inputs, limit, policy)
+    _check_budget_options(budget, inputs, limit, policy, execution)
     framework = _framework(model)
     # Everything that can fail before measuring comes first; a failed plan puts the earlier one back.
     getattr(framework, "check_plannable", lambda model: None)(model)
@@ -128,13 +145,13 @@ def recompute_model(
             policies = [policy] * len(units)
         else:
             with pieces.measuring() if pieces is not None else contextlib.nullcontext():
-                policies = _planned_policies(model, units, budget, inputs)
+                policies = _planned_policies(model, units, budget, inputs, execution)
     except BaseException:
         if earlier is not None:
             earlier.redo()
             object.__setattr__(model, _PLAN, earlier)
         raise
-    plan = _Plan(enabled, pieces)
+    plan = _Plan(enabled, pieces, execution if budget is not None else None)
     on = lambda: _config.is_enabled() if enabled is None else enabled  # noqa: E731
     if pieces is not None:
         plan.add(functools.partial(pieces.install, on))
@@ -146,7 +163,7 @@ def recompute_model(
     return model
 
 
-def memory_report(model, inputs, *, blocks="auto"):
+def memory_report(model, inputs, *, blocks="auto", execution=None):
     """What each unit of `model` keeps and costs under each policy, and the peak of a training step.
 
     The costs are measured on `inputs` (NOTE [ measuring a model's units ] in
@@ -160,6 +177,8 @@ def memory_report(model, inputs, *, blocks="auto"):
             or a predicate). With `"auto"`, a model that runs as pieces of its
             graph (a `segments=` plan) is reported over those pieces, and one
             whose blocks are not layers (bert4keras) over its blocks' pieces.
+        execution: `"eager"`, `"compiled"` or None, as in `recompute_model`:
+            the execution the predicted peak is for; the report states it.
 
     Returns:
         A `MemoryReport`: `print(report)` shows the table; `report.rows` (one
@@ -188,8 +207,11 @@ def memory_report(model, inputs, *, blocks="auto"):
         pieces = pieces or _Pieces.of(model, framework, None)
         units = pieces.units
     applied = plan.applied() if plan is not None else {}
+    if execution is None and plan is not None:
+        execution = plan.execution  # a plan's report is for the execution it was made for
     with pieces.measuring() if pieces is not None else contextlib.nullcontext():
-        return _memory.report(model, units, inputs, [applied.get(_memory.unit_name(u), _budget.NONE) for u in units])
+        current = [applied.get(_memory.unit_name(u), _budget.NONE) for u in units]
+        return _memory.report(model, units, inputs, current, execution)
 
 
 def unrecompute_model(model):
@@ -215,12 +237,13 @@ class _Plan:
     and would save the weights of layers found in a list a second time.
     """
 
-    def __init__(self, enabled=None, pieces=None):
+    def __init__(self, enabled=None, pieces=None, execution=None):
         self._steps = []  # (do, undo)
         self.names = ()
         self.policies = ()
         self.enabled = enabled
         self.pieces = pieces
+        self.execution = execution  # what a budget's plan was made for (None: no budget, or inferred)
 
     def add(self, do, name=None, policy=None):
         """Does `do()` now; `name` and `policy` when it makes a unit recompute."""
@@ -288,13 +311,14 @@ def _check_options(model, blocks, segments, limit, policy, enabled):
         )
 
 
-def _check_budget_options(budget, inputs, limit, policy):
+def _check_budget_options(budget, inputs, limit, policy, execution):
     if budget is None:
-        if inputs is not None:
-            raise ValueError(
-                "keras_recompute: recompute_model(inputs=...) is the batch a budget is planned for; pass "
-                "budget= with it, or leave inputs= out."
-            )
+        for name, value in (("inputs", inputs), ("execution", execution)):
+            if value is not None:
+                raise ValueError(
+                    f"keras_recompute: recompute_model({name}=...) is part of planning to a budget; pass "
+                    f"budget= with it, or leave {name}= out."
+                )
         return
     _budget.parse_budget(budget)
     if inputs is None:
@@ -314,13 +338,14 @@ def _check_budget_options(budget, inputs, limit, policy):
         )
 
 
-def _planned_policies(model, units, budget, inputs):
+def _planned_policies(model, units, budget, inputs, execution):
     """Each unit's policy (or `"none"`) from the solver, under `budget` (NOTE [ the solver ])."""
     kind, value = _budget.parse_budget(budget)
+    execution, _ = _memory.execution_of(model, execution, "recompute_model")
     plain = [_budget.NONE] * len(units)
     if kind == "fraction" and value >= 1.0:
         return plain  # all the activations may stay: nothing to measure
-    costs, _ = _memory.costs(model, units, inputs)
+    costs, _ = _memory.costs(model, units, inputs, execution)
     if kind == "fraction":
         value = costs.peak(plain) - (1.0 - value) * costs.activation_bytes(plain)
     policies = _budget.solve(costs, value)
@@ -330,7 +355,7 @@ def _planned_policies(model, units, budget, inputs):
             break
         undos = [_patch_call(unit, True, p) for unit, p in zip(units, policies) if p != _budget.NONE]
         try:
-            actual = _memory.compiled_peak(model, inputs, costs)
+            actual = _memory.compiled_peak(model, inputs, costs, execution)
         finally:
             for undo in reversed(undos):
                 undo()

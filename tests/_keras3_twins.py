@@ -138,7 +138,9 @@ def _jax(layer, inputs, floats, mode, call):
 def _torch(layer, inputs, floats, mode, call):
     import torch
 
-    xs = [torch.tensor(np.asarray(x)) for x in inputs]
+    from keras.src.backend.torch.core import get_device
+
+    xs = [torch.tensor(np.asarray(x), device=get_device()) for x in inputs]  # where Keras keeps the weights
     for i in floats:
         xs[i].requires_grad_(True)
     for variable in layer.trainable_variables:

@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+pytest.importorskip("tensorflow")  # bert4keras runs on tf_keras
 pytest.importorskip("bert4keras")
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bert4keras_child.py")

@@ -357,6 +357,89 @@ print(json.dumps({"budget": budget, "peak": peak, "predicted": report.predicted_
 """
 
 
+_LOOP_CHILD = r"""
+import json, sys
+import numpy as np, keras, tensorflow as tf
+sys.path.insert(0, sys.argv[1])
+from test_budget import blocks_model
+from keras_recompute import memory_report, recompute_model
+
+method, loop, budget = sys.argv[2], sys.argv[3], int(sys.argv[4])
+x = np.random.RandomState(0).standard_normal((16, 128, 64)).astype("float32")
+labels = np.zeros(16, "int32")
+compiled = blocks_model(6, seq=128, width=64)
+model = keras.Model(compiled.inputs, compiled.outputs)  # not compiled: trained in a loop of one's own
+record = {}
+if method == "full":
+    recompute_model(model, enabled=True)
+elif method != "none":
+    execution = None if method == "inferred" else method
+    recompute_model(model, budget=budget, inputs=x, enabled=True, execution=execution)
+    report = memory_report(model, x)
+    record.update(plan=[row["policy"] for row in report.rows], execution=report.execution, predicted=report.predicted_peak)
+optimizer = keras.optimizers.Adam()
+optimizer.build(model.trainable_variables)
+loss_function = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+def step(x, y):
+    with tf.GradientTape() as tape:
+        loss = loss_function(y, model(x, training=True))
+    optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+
+step = tf.function(step) if loop == "function" else step
+step(x, labels)
+tf.config.experimental.reset_memory_stats("CPU:0")
+step(x, labels)
+record["peak"] = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+print(json.dumps(record))
+"""
+
+
+def _loop_child(method, loop, budget=0):
+    env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="1", KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="3")
+    here = os.path.dirname(os.path.abspath(__file__))
+    arguments = [sys.executable, "-c", _LOOP_CHILD, here, method, loop, str(budget)]
+    done = subprocess.run(arguments, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="the allocator's peak: TensorFlow's BFC allocator on the CPU")
+def test_a_plan_for_a_model_not_compiled_fits_an_eager_loop_and_a_compiled_plan_a_function():
+    """NOTE [ which execution a plan is for ]: an eager `tf.GradientTape` loop keeps about twice what
+    a `tf.function` step keeps. A model not compiled is planned for eager execution, and fits a
+    half-way budget there; named `"compiled"`, the plan fits a `tf.function` loop and recomputes less.
+    """
+    plain, full = _loop_child("none", "eager")["peak"], _loop_child("full", "eager")["peak"]
+    budget = (plain + full) // 2
+    eager = _loop_child("inferred", "eager", budget)
+    assert eager["execution"] == "eager", eager
+    assert eager["peak"] <= 1.10 * budget, (budget, eager)
+    assert any(p != "none" for p in eager["plan"]) and eager["plan"].count("full") < 6, eager
+    compiled = _loop_child("compiled", "function", budget)
+    assert compiled["execution"] == "compiled", compiled
+    assert compiled["peak"] <= 1.10 * budget, (budget, compiled)
+    order = {"none": 0, "attention_core": 1, "save_dots": 2, "full": 3}
+    assert sum(order[p] for p in compiled["plan"]) < sum(order[p] for p in eager["plan"]), (eager, compiled)
+
+
+def test_execution_is_checked_and_stated():
+    model = blocks_model(2)
+    with pytest.raises(ValueError, match=r"execution=\.\.\.\) got 'jit'; valid values are \['eager', 'compiled'\]"):
+        recompute_model(model, budget=0.5, inputs=X, execution="jit")
+    with pytest.raises(ValueError, match=r"recompute_model\(execution=\.\.\.\) is part of planning to a budget"):
+        recompute_model(model, execution="eager")
+    assert memory_report(model, X).execution == ("eager" if BACKEND == "torch" else "compiled")  # compiled, not run_eagerly
+    uncompiled = keras.Model(model.inputs, model.outputs)
+    report = memory_report(uncompiled, X)
+    assert report.execution == "eager" and "not compiled" in str(report) or BACKEND == "torch", str(report)
+    if BACKEND == "torch":
+        with pytest.raises(ValueError, match="Keras runs PyTorch eagerly"):
+            memory_report(model, X, execution="compiled")
+    else:
+        assert "run compiled" in str(memory_report(uncompiled, X, execution="compiled"))
+
+
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="the allocator's peak: TensorFlow's BFC allocator on the CPU")
 def test_the_measured_peak_of_a_plan_meets_its_budget():
     env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="1", KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="3")

@@ -2,8 +2,8 @@
 
 import numpy as np
 import pytest
-import tensorflow as tf
-import tf_keras as K
+tf = pytest.importorskip("tensorflow")  # absent on a JAX or PyTorch GPU machine: the file skips
+K = pytest.importorskip("tf_keras")
 
 from _twins import on_and_off
 from keras_recompute import RecomputeError, _memory, _model, memory_report, recompute_model

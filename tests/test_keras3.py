@@ -287,8 +287,8 @@ def test_forward_runs_again_in_the_backward():
         assert len(counts) == expected, f"recompute {on}: the call ran {len(counts)} times"
 
 
-def _child_peak_rss(method, rows):
-    """Peak RSS in MB of one `_rss_child.py` run (see its docstring)."""
+def _child_peak(method, rows):
+    """Peak in MB of one `_rss_child.py` run: its RSS, or on a GPU its device allocator's (see its docstring)."""
     import os
     import subprocess
     import sys
@@ -298,6 +298,7 @@ def _child_peak_rss(method, rows):
     env = dict(
         os.environ,
         MALLOC_MMAP_THRESHOLD_="131072",
+        XLA_PYTHON_CLIENT_PREALLOCATE="false",  # JAX on a GPU: its peak, not 75% of the device
         PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
     )
     done = subprocess.run(
@@ -313,13 +314,14 @@ def test_memory_falls():
 
     JAX and PyTorch on the CPU have no allocator statistics, so each run is a
     child process whose peak RSS is read, minus a run of the same program on 8
-    rows. (TensorFlow's figure, from its allocator, is test_memory.py's.)
+    rows; on a GPU the child reads the device allocator's peak instead.
+    (TensorFlow's figure, from its allocator, is test_memory.py's.)
     """
     if BACKEND == "tensorflow":
         pytest.skip("test_memory.py measures the TensorFlow paths with the BFC allocator")
     activations = {}
     for method in ("none", "ours", "model"):
-        activations[method] = _child_peak_rss(method, 4096) - _child_peak_rss(method, 8)
+        activations[method] = _child_peak(method, 4096) - _child_peak(method, 8)
     print(f"{BACKEND}: activations (MB) {activations}")
     for method in ("ours", "model"):
         ratio = activations["none"] / max(activations[method], 1.0)

@@ -4,8 +4,8 @@ import os
 
 import numpy as np
 import pytest
-import tensorflow as tf
-import tf_keras
+tf = pytest.importorskip("tensorflow")  # absent on a JAX or PyTorch GPU machine: the file skips
+tf_keras = pytest.importorskip("tf_keras")
 
 from _twins import MODES, assert_close, compare_with_twin, loss_and_gradients, compile_mode
 from keras_recompute import layers as recompute_layers

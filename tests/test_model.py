@@ -429,3 +429,32 @@ def test_keras_hub_backbones_recompute_their_transformer_layers(family, lora):
     lora_gradients = [path for path in gradients if "lora" in path]
     assert len(lora_gradients) == (8 if lora else 0)  # A and B of query and value, in 2 blocks
     assert all(gradients[path] is not None for path in lora_gradients)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "mixed_float16"])
+@pytest.mark.parametrize("family", ["Llama", "Mistral"])
+def test_keras_hub_decoders_in_float16(family, dtype):
+    """Grouped-query attention in float16 (keras-hub's Llama and Mistral): what runs plain runs recomputed.
+
+    On JAX the attention's float16 scores ask for a dot algorithm XLA's CPU backend refuses; the plain
+    call falls back from it (NOTE [ dot algorithms the device refuses ]), and so must the recompute.
+    Eager: on a CPU the plain model itself cannot be compiled in float16 on JAX.
+    """
+    keras_hub = pytest.importorskip("keras_hub")
+    keras.utils.set_random_seed(0)
+    common = dict(vocabulary_size=100, num_layers=2, num_query_heads=4, num_key_value_heads=2, hidden_dim=32,
+                  intermediate_dim=64, dropout=0.1, dtype=dtype)
+    if family == "Mistral":
+        backbone = keras_hub.models.MistralBackbone(sliding_window=4, **common)
+    else:
+        backbone = keras_hub.models.LlamaBackbone(**common)
+    recompute_model(backbone)
+    assert _model.recomputed_units(backbone) == [layer.name for layer in backbone.transformer_layers]
+    ids = np.random.RandomState(0).randint(1, 100, size=(2, 8)).astype("int32")
+    padding = np.ones((2, 8), "int32")
+    padding[1, 6:] = 0
+    call = lambda m, xs: m({"token_ids": xs[0], "padding_mask": xs[1]}, training=True)  # noqa: E731
+    runs = compare_on_and_off(backbone, [ids, padding], "eager", call, rtol=1e-2)  # float16: a few units in the last place
+    unused = "reverse_embeddings"  # the language-model head's, not the backbone's
+    missing = [v.path for v, g in zip(backbone.trainable_variables, runs[True][0][1]) if g is None and unused not in v.path]
+    assert not missing, f"every weight gets a gradient: {missing}"

@@ -9,8 +9,8 @@ import os
 
 import numpy as np
 import pytest
-import tensorflow as tf
-import tf_keras as K
+tf = pytest.importorskip("tensorflow")  # absent on a JAX or PyTorch GPU machine: the file skips
+K = pytest.importorskip("tf_keras")
 
 from _twins import MODES, on_and_off
 from keras_recompute import _model, recompute_model, recompute_scope

@@ -175,11 +175,18 @@ class TorchRandBlock(UnseededBlock):
     def call(self, inputs, training=None):
         import torch
 
-        return super().call(inputs + 0.01 * torch.rand(inputs.shape), training=training)
+        return super().call(inputs + 0.01 * torch.rand(inputs.shape, device=inputs.device), training=training)
+
+
+def _torch_device_type():
+    from keras.src.backend.torch.core import get_device
+
+    return str(get_device()).split(":")[0]
 
 
 def _bernoulli_draws(layer_class, policy):
-    """The elements `bernoulli` draws in one eager training step of a `layer_class` block under `policy`."""
+    """The elements drawn for dropout (`bernoulli`, or on an accelerator the fused `native_dropout`)
+    in one eager training step of a `layer_class` block under `policy`."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -189,7 +196,8 @@ def _bernoulli_draws(layer_class, policy):
             self.elements = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func._overloadpacket in (torch.ops.aten.bernoulli, torch.ops.aten.bernoulli_):
+            drawing = (torch.ops.aten.bernoulli, torch.ops.aten.bernoulli_, torch.ops.aten.native_dropout)
+            if func._overloadpacket in drawing:
                 self.elements += args[0].numel()
             return func(*args, **(kwargs or {}))
 
@@ -211,7 +219,9 @@ def test_the_policies_keep_dropout_masks_on_torch(policy, layer_class):
     plain, recomputed = _bernoulli_draws(layer_class, None), _bernoulli_draws(layer_class, policy)
     # The block's dropouts: 2 x 2 x 6 x 6 attention probabilities, 2 x 6 x 32 in the FFN.
     assert plain == 2 * 2 * 6 * 6 + 2 * 6 * 32
-    if policy == "full" or (policy == "save_dots" and layer_class is TorchRandBlock):
+    # On an accelerator, unseeded dropout is F.dropout's fused kernel: drawn again, from the restored generator.
+    fused = layer_class is not AttentionBlock and _torch_device_type() != "cpu"
+    if policy == "full" or fused or (policy == "save_dots" and layer_class is TorchRandBlock):
         assert recomputed == 2 * plain  # drawn again: full keeps no mask; torch.rand in the unit
     else:
         assert recomputed == plain  # under attention_core, torch.rand runs outside the recomputed core
@@ -222,9 +232,47 @@ def test_kept_dropout_masks_under_bfloat16_on_torch():
     keras.config.set_dtype_policy("mixed_bfloat16")
     try:
         compare_with_twin(UnseededBlock, [X], "eager", rtol=1e-2, policy="save_dots")
-        assert _bernoulli_draws(UnseededBlock, "save_dots") == _bernoulli_draws(UnseededBlock, None)
+        drawn_again = 2 if _torch_device_type() != "cpu" else 1  # F.dropout's fused kernel on an accelerator
+        assert _bernoulli_draws(UnseededBlock, "save_dots") == drawn_again * _bernoulli_draws(UnseededBlock, None)
     finally:
         keras.config.set_dtype_policy("float32")
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="torch's global generators")
+@pytest.mark.parametrize("policy", POLICIES)
+def test_no_policy_seeds_or_moves_a_generator_of_torch(policy, monkeypatch):
+    """NOTE [ the one-time check touches no generator ]: a recomputed step leaves every torch generator
+    (CPU, and each accelerator's) where the plain step leaves it, and seeds none, its one-time check included.
+
+    The first GPU run found the policies' check calling `torch.manual_seed`: on the CPU its state was
+    restored, while CUDA's generator was reset, and every dropout after it drew another mask.
+    """
+    import torch
+
+    from keras_recompute.backends import torch as torch_backend
+
+    def states():
+        cpu = [torch.get_rng_state()]
+        return cpu + (list(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() else [])
+
+    def step(policy):
+        layer = block(policy)
+        torch.manual_seed(11)
+        seeded.clear()
+        with recompute_scope(True):
+            loss_and_gradients(layer, [X], "eager", train_call)
+        return states(), list(seeded)
+
+    seeded = []
+    for module, name in ((torch, "manual_seed"), (torch.random, "manual_seed"), (torch.cuda, "manual_seed"), (torch.cuda, "manual_seed_all")):
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _original=original, _name=name, **k: (seeded.append(_name), _original(*a, **k))[1])
+    monkeypatch.delattr(torch_backend._dropout_replayable, "result", raising=False)  # the check runs again, in this step
+    (plain, _), (recomputed, seeded_in_step) = step(None), step(policy)
+    assert seeded_in_step == [], f"the {policy} step seeded torch: {seeded_in_step}"
+    assert all(torch.equal(a, b) for a, b in zip(plain, recomputed)), "a generator moved otherwise than in the plain step"
+    if policy != "full":  # the check ran in this step, and passed
+        assert torch_backend._dropout_replayable.result
 
 
 @pytest.mark.skipif(BACKEND != "torch", reason="PyTorch's dispatched ops")

@@ -7,7 +7,7 @@ weights and the same random state, in eager mode, `tf.function` and XLA.
 
 import numpy as np
 import pytest
-import tensorflow as tf
+tf = pytest.importorskip("tensorflow")  # absent on a JAX or PyTorch GPU machine: the file skips
 
 from _twins import FRAMEWORKS, MODES, RTOL, assert_close, compile_mode, copy_weights, framework, recomputed_class
 from keras_recompute import RecomputeError, memory_report, recompute_grad, recompute_scope

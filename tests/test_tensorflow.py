@@ -7,7 +7,7 @@ and in `tf.function(jit_compile=True)`.
 
 import numpy as np
 import pytest
-import tensorflow as tf
+tf = pytest.importorskip("tensorflow")  # absent on a JAX or PyTorch GPU machine: the file skips
 
 from _twins import (
     FRAMEWORKS,

@@ -48,8 +48,11 @@ What else needs care:
     outputs leave the program as extra outputs and are attached outside.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.extend import core as jax_core
 
 from keras_recompute import _context, _policy
 from keras_recompute._errors import RecomputeError
@@ -120,6 +123,7 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full"):
     # Traces the call (the only time Python runs it); every value it closes
     # over (weights, seeds, masks, outer tracers) becomes an explicit argument.
     closed, shapes = jax.make_jaxpr(pure, return_shape=True)(*[leaves[i] for i in positions])
+    closed = closed.replace(jaxpr=_without_refused_dot_algorithms(closed.jaxpr))
     flat = _recompute(closed.jaxpr, policy)(*closed.consts, *[leaves[i] for i in positions])
     arrays, updates, losses, masks = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shapes), flat)
 
@@ -140,6 +144,67 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full"):
     for position, mask in zip(traced["masked"], masks):
         _context.set_mask(out_leaves[position], mask)
     return jax.tree_util.tree_unflatten(traced["out_def"], out_leaves)
+
+
+# NOTE [ dot algorithms the device refuses ]
+# Some library code asks for a dot algorithm and falls back when the device
+# refuses it: `jax.nn.dot_product_attention` (what Keras's
+# `ops.dot_product_attention` calls, and keras-hub's Llama, Mistral and Gemma
+# attention) computes float16 scores with `precision=F16_F16_F32` inside a
+# `try`, and on an exception computes them with the default precision. XLA's
+# CPU backend refuses that algorithm. Run eagerly, the plain call raises
+# there, catches it and takes the fallback; traced, as the recompute traces the
+# call, nothing runs, so the trace keeps the algorithm and the device refuses
+# the program when it runs ("The precision 'F16_F16_F32' is not supported by
+# dot_general on CPU"). So before the traced program runs, each `dot_general`
+# whose algorithm the default device refuses gets the default precision, the
+# very fallback the plain call took. Whether the device refuses it is asked of
+# JAX itself (lowering that one dot for the device, once per algorithm and
+# types), so a device that accepts it (a GPU) runs the program unchanged.
+
+
+def _without_refused_dot_algorithms(jaxpr):
+    """`jaxpr` with each dot algorithm the default device refuses replaced by the default precision."""
+    eqns, changed = [], False
+    for eqn in jaxpr.eqns:
+        params = {name: _in_param(value) for name, value in eqn.params.items()}
+        precision = params.get("precision")
+        if eqn.primitive.name == "dot_general" and isinstance(precision, (jax.lax.DotAlgorithmPreset, jax.lax.DotAlgorithm)):
+            lhs, rhs = (var.aval.dtype for var in eqn.invars[:2])
+            if _refused(precision, lhs, rhs, params.get("preferred_element_type")):
+                params["precision"] = None
+        if any(params[name] is not value for name, value in eqn.params.items()):
+            eqn, changed = eqn.replace(params=params), True
+        eqns.append(eqn)
+    return jaxpr.replace(eqns=eqns) if changed else jaxpr
+
+
+def _in_param(value):
+    """A parameter of an equation with the programs inside it (a `jit`'s, a `cond`'s branches) rewritten."""
+    if isinstance(value, jax_core.ClosedJaxpr):
+        inner = _without_refused_dot_algorithms(value.jaxpr)
+        return value if inner is value.jaxpr else value.replace(jaxpr=inner)
+    if isinstance(value, jax_core.Jaxpr):
+        return _without_refused_dot_algorithms(value)
+    if isinstance(value, tuple) and any(isinstance(v, (jax_core.ClosedJaxpr, jax_core.Jaxpr)) for v in value):
+        rewritten = tuple(_in_param(v) for v in value)
+        return value if all(a is b for a, b in zip(rewritten, value)) else rewritten
+    return value
+
+
+@functools.lru_cache(maxsize=None)
+def _refused(precision, lhs_dtype, rhs_dtype, preferred_element_type):
+    """Whether the default device refuses a `dot_general` with this algorithm on these types."""
+    dimensions = (((1,), (0,)), ((), ()))
+
+    def dot(lhs, rhs):
+        return jax.lax.dot_general(lhs, rhs, dimensions, precision=precision, preferred_element_type=preferred_element_type)
+
+    try:
+        jax.jit(dot).lower(jax.ShapeDtypeStruct((2, 2), lhs_dtype), jax.ShapeDtypeStruct((2, 2), rhs_dtype))
+    except Exception:  # noqa: BLE001 - what the device refuses comes as several error types
+        return True
+    return False
 
 
 def _recompute(jaxpr, policy):
@@ -233,7 +298,7 @@ def _wait(tree, zero, floats=True):
 # jitted gradient of the stateless call is what `_memory` times.
 
 
-def measure_unit(layer, args, kwargs, policy, timed=True):
+def measure_unit(layer, args, kwargs, policy, timed=True, execution="compiled"):
     """What one call of `layer` keeps for its backward, and a step of it to time.
 
     Args:
@@ -242,11 +307,14 @@ def measure_unit(layer, args, kwargs, policy, timed=True):
         kwargs: keyword arguments of it.
         policy: the option's name (the residuals show what it keeps: unused here).
         timed: whether to return a step (compiled by a first run), else None.
+        execution: accepted for every backend: the residuals are what the
+            step keeps, run eagerly or compiled (the compiled step is checked
+            as a whole: NOTE [ checking a plan on JAX ]).
 
     Returns:
         `(kept_bytes, largest_bytes, step)`, as on TensorFlow.
     """
-    del policy
+    del policy, execution
     trainable = [v.value for v in layer.trainable_variables]
     other = [v.value for v in layer.non_trainable_variables]
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=lambda x: x is None)

@@ -155,12 +155,25 @@ class _Contexts:
 # in the call draws from it too, replaying the dropouts would shift that
 # draw, so the tape checks the generator's state around each draw and, if it
 # moved otherwise, the recompute draws everything again (torch restores the
-# generator for it: `preserve_rng_state`). Only CPU tensors are replaced: on
-# an accelerator `F.dropout` is a fused kernel, and the bits cost little.
+# generator for it: `preserve_rng_state`). Seeded dropouts (Keras's slow path:
+# `torch.bernoulli` with a generator of their own) are kept on every device,
+# by the same code. Unseeded ones are kept on the CPU only: on an accelerator
+# `F.dropout` is a fused kernel (`native_dropout`) whose bits other ops do not
+# reproduce, so there they draw again, from the generator state torch's
+# checkpoint restores for the recompute (as under `"full"`).
 # Keras's function is replaced once, for good; it acts as before when no such
 # call runs in its thread.
+#
+# NOTE [ the one-time check touches no generator ]
+# `_dropout_replayable` draws with torch's default CPU generator inside
+# `fork_rng(devices=[])`, which restores that generator only. It must seed
+# that generator alone (`torch.default_generator.manual_seed`): the first
+# version called `torch.manual_seed`, which also seeds every CUDA generator,
+# so on a GPU the first recompute under a policy reset CUDA's generator and
+# every dropout after it drew other masks than the plain model's (a different
+# model, silently; on the CPU nothing showed, as the CPU state was restored).
 _THREADS = threading.local()  # .active: (tape, mode) of the calls running now in the thread, outermost first
-_WEIGHTS = None  # 1, 2, ..., 128 as uint8: the bits of a packed byte
+_BIT_WEIGHTS = {}  # device -> 1, 2, ..., 128 as uint8 there: the bits of a packed byte
 _MEASURING = []  # lists the bytes of the masks recorded are added to (`measure_unit`)
 
 
@@ -231,11 +244,13 @@ def _dropout(inputs, rate, noise_shape=None, seed=None):
     from keras.src.random.seed_generator import SeedGenerator
 
     active = _active_calls()
-    if not active or not isinstance(rate, float) or rate in (0.0, 1.0) or inputs.device.type != "cpu":
+    if not active or not isinstance(rate, float) or rate in (0.0, 1.0):
         return _dropout.original(inputs, rate, noise_shape=noise_shape, seed=seed)
     seeded = (seed is not None and not (isinstance(seed, SeedGenerator) and seed._initial_seed is None)) or (
         noise_shape is not None
     )
+    if not seeded and inputs.device.type != "cpu":  # F.dropout's fused kernel: drawn again in the recompute
+        return _dropout.original(inputs, rate, noise_shape=noise_shape, seed=seed)
     keep_prob = 1.0 - rate
     shape = torch_random._get_concrete_noise_shape(inputs, noise_shape) if seeded else inputs.shape
     source = next(((tape, mode) for tape, mode in active if mode != "record"), None)
@@ -276,28 +291,36 @@ def _dropout(inputs, rate, noise_shape=None, seed=None):
     return inputs * noise
 
 
+def _bit_weights(device):
+    if device not in _BIT_WEIGHTS:
+        _BIT_WEIGHTS[device] = (2 ** torch.arange(8, device=device)).to(torch.uint8)
+    return _BIT_WEIGHTS[device]
+
+
 def _pack(mask):
     flat = mask.reshape(-1)
     pad = -flat.numel() % 8
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad)])
-    return (flat.view(-1, 8).view(torch.uint8) * _WEIGHTS).sum(1, dtype=torch.uint8)
+    return (flat.view(-1, 8).view(torch.uint8) * _bit_weights(flat.device)).sum(1, dtype=torch.uint8)
 
 
 def _unpack(packed, count):
-    return packed.unsqueeze(1).bitwise_and(_WEIGHTS).ne(0).reshape(-1)[:count]
+    return packed.unsqueeze(1).bitwise_and(_bit_weights(packed.device)).ne(0).reshape(-1)[:count]
 
 
 def _dropout_replayable():
-    """Whether `_dropout`'s ops draw and compute what `F.dropout` does on the CPU (checked once)."""
-    global _WEIGHTS
-    if _WEIGHTS is None:
-        _WEIGHTS = (2 ** torch.arange(8)).to(torch.uint8)
+    """Whether `_dropout`'s ops draw and compute what `F.dropout` does on the CPU (checked once).
+
+    NOTE [ the one-time check touches no generator ]: only the default CPU
+    generator is seeded, and `fork_rng` restores it.
+    """
+    if not hasattr(_dropout_replayable, "result"):
         x = torch.linspace(-1.0, 1.0, 999)
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(1234)
+            torch.default_generator.manual_seed(1234)
             plain = torch.nn.functional.dropout(x, p=0.3, training=True)
-            torch.manual_seed(1234)
+            torch.default_generator.manual_seed(1234)
             noise = torch.empty_like(x)
             noise.bernoulli_(0.7)
             noise.div_(0.7)
@@ -320,7 +343,7 @@ def _dropout_replayable():
 # `_memory` times.
 
 
-def measure_unit(layer, args, kwargs, policy, timed=True):
+def measure_unit(layer, args, kwargs, policy, timed=True, execution="compiled"):
     """What one call of `layer` keeps for its backward, and a step of it to time.
 
     Args:
@@ -330,10 +353,13 @@ def measure_unit(layer, args, kwargs, policy, timed=True):
         policy: the option's name: `"save_dots"` adds the matmul outputs its
             checkpoint keeps.
         timed: whether to return a step (else None).
+        execution: accepted for every backend: PyTorch runs eagerly, and the
+            saved-tensor hooks see what its eager step keeps.
 
     Returns:
         `(kept_bytes, largest_bytes, step)`, as on TensorFlow.
     """
+    del execution
     weights = [v.value for v in layer.trainable_variables]
 
     def run(measure):

@@ -1,0 +1,127 @@
+"""Exactness on a device: each policy's first-step gradients against the plain model's own spread.
+
+A BERT-like encoder (`backends.py`'s, small by default) with dropout is built
+with the same seed in a fresh process per configuration, compiled with SGD at
+learning rate 1, and trained one `train_on_batch` step: the weight change is
+minus the gradient. The plain model runs twice (`none`, `none_again`): on a GPU
+JAX is not bitwise reproducible from process to process, so the difference
+between the two plain runs is the yardstick each policy is read against.
+PyTorch (and the CPU) reproduce plain bitwise; there each policy should differ
+by reassociation alone (below 1e-5 normwise in float32).
+
+Printed per method: the first loss, and the normwise difference of all the
+gradients from the first plain run's (the largest difference over the largest
+gradient, as the tests measure), also as a multiple of the plain spread.
+
+Usage:
+    python benchmarks/first_step.py --backend torch                     # float32
+    python benchmarks/first_step.py --backend jax --dtype mixed_bfloat16
+    python benchmarks/first_step.py --backend torch --out benchmarks/results/first_step_torch.json
+"""
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _measure  # noqa: E402
+import backends  # noqa: E402
+
+METHODS = ("none", "none_again", "ours", "save_dots", "attention_core")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--backend", choices=("tensorflow", "jax", "torch"), default=os.environ.get("KERAS_BACKEND", "jax"))
+    parser.add_argument("--dtype", choices=("float32", "mixed_bfloat16"), default="float32")
+    parser.add_argument("--blocks", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--ffn", type=int, default=512)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=1000)
+    parser.add_argument("--dropout", type=float, default=0.1)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--out", help="also write the results as JSON to this file")
+    parser.add_argument("--child", nargs=2, metavar=("METHOD", "NPZ"), help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def child(args):
+    """One first step of one configuration: its loss, and its gradients saved to NPZ."""
+    method, path = args.child
+    os.environ["RECOMPUTE"] = "0" if method.startswith("none") else "1"
+    import keras
+    import numpy as np
+
+    keras.config.set_dtype_policy(args.dtype)
+    keras.utils.set_random_seed(7)
+    model = backends.build_model(args, "none" if method == "none_again" else method)
+    model.compile(optimizer=keras.optimizers.SGD(1.0), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.RandomState(0)
+    ids = rng.randint(0, args.vocab, size=(args.batch, args.seq)).astype("int32")
+    labels = rng.randint(0, 2, size=(args.batch,)).astype("int32")
+    before = [np.array(keras.ops.convert_to_numpy(w), dtype="float64") for w in model.trainable_weights]
+    loss = float(np.asarray(model.train_on_batch(ids, labels)))
+    after = [np.array(keras.ops.convert_to_numpy(w), dtype="float64") for w in model.trainable_weights]
+    np.savez(path, *[b - a for b, a in zip(before, after)])
+    print(json.dumps({"loss": loss}))
+
+
+def normwise(actual, expected):
+    """The largest difference over the largest magnitude among `expected`'s arrays."""
+    import numpy as np
+
+    scale = max(float(np.max(np.abs(e))) for e in expected if e.size)
+    return max(float(np.max(np.abs(a - e))) for a, e in zip(actual, expected) if e.size) / scale
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.child:
+        return child(args)
+    import numpy as np
+
+    platform = backends._platform(args.backend) if args.backend != "tensorflow" else "cpu"
+    print(f"first-step gradients: Keras 3 on {args.backend} ({platform}), {args.dtype}, {args.blocks} blocks x "
+          f"hidden {args.hidden}, seq {args.seq}, batch {args.batch}, dropout {args.dropout}, SGD lr=1", flush=True)
+    script = os.path.abspath(__file__)
+    sizes = []
+    for name in ("blocks", "hidden", "heads", "ffn", "seq", "batch", "vocab", "dropout", "dtype"):
+        sizes += [f"--{name}", str(getattr(args, name))]
+    losses, gradients = {}, {}
+    with tempfile.TemporaryDirectory() as folder:
+        for method in args.methods:
+            path = os.path.join(folder, f"{method}.npz")
+            record = _measure.run(
+                script, ["--child", method, path, "--backend", args.backend, *sizes], args.backend,
+                extra_env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
+            )
+            losses[method] = record.get("loss")
+            if "error" in record:
+                print(f"{method:<15} error: {record['error']}", flush=True)
+                continue
+            with np.load(path) as saved:
+                gradients[method] = [saved[f"arr_{index}"] for index in range(len(saved.files))]
+    reference = gradients.get("none")
+    spread = normwise(gradients["none_again"], reference) if reference is not None and "none_again" in gradients else None
+    rows = []
+    for method in args.methods:
+        row = {"method": method, "loss": losses[method]}
+        if method in gradients and reference is not None and method != "none":
+            row["difference"] = normwise(gradients[method], reference)
+            if spread:
+                row["times_spread"] = row["difference"] / spread
+        rows.append(row)
+        shown = f"{row['difference']:.3g}" if "difference" in row else "-"
+        times = f"  ({row['times_spread']:.2f}x plain's spread)" if "times_spread" in row else ""
+        loss = f"{row['loss']:.6f}" if row["loss"] is not None else "error"
+        print(f"{method:<15} first loss {loss}  gradients vs none: {shown}{times}", flush=True)
+    _measure.write_json(args.out, vars(args), {"platform": platform, "plain_spread": spread, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
