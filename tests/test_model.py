@@ -414,17 +414,22 @@ def _keras_hub_backbone(family, lora):
     return backbone
 
 
+def _recomputed_backbone_on_and_off(backbone, seq, mode, **options):
+    """`recompute_model(backbone)`, then `compare_on_and_off` on a padded batch of token ids."""
+    recompute_model(backbone)
+    assert _model.recomputed_units(backbone) == [layer.name for layer in backbone.transformer_layers]
+    ids = np.random.RandomState(0).randint(1, 100, size=(2, seq)).astype("int32")
+    padding = np.ones((2, seq), "int32")
+    padding[1, seq - seq // 4 :] = 0
+    call = lambda m, xs: m({"token_ids": xs[0], "padding_mask": xs[1]}, training=True)  # noqa: E731
+    return compare_on_and_off(backbone, [ids, padding], mode, call, **options)
+
+
 @pytest.mark.parametrize("family,lora", [("Gemma", True), ("Llama", False), ("GPT2", True)])
 def test_keras_hub_backbones_recompute_their_transformer_layers(family, lora):
     """Decoder blocks of their own classes, which `integrations.keras_hub` does not know; LoRA too."""
     backbone = _keras_hub_backbone(family, lora)
-    recompute_model(backbone)
-    assert _model.recomputed_units(backbone) == [layer.name for layer in backbone.transformer_layers]
-    ids = np.random.RandomState(0).randint(1, 100, size=(2, 16)).astype("int32")
-    padding = np.ones((2, 16), "int32")
-    padding[1, 10:] = 0
-    call = lambda m, xs: m({"token_ids": xs[0], "padding_mask": xs[1]}, training=True)  # noqa: E731
-    runs = compare_on_and_off(backbone, [ids, padding], FAST_MODE, call)
+    runs = _recomputed_backbone_on_and_off(backbone, 16, FAST_MODE)
     gradients = dict(zip([v.path for v in backbone.trainable_variables], runs[True][0][1][-len(backbone.trainable_variables) :]))
     lora_gradients = [path for path in gradients if "lora" in path]
     assert len(lora_gradients) == (8 if lora else 0)  # A and B of query and value, in 2 blocks
@@ -448,13 +453,7 @@ def test_keras_hub_decoders_in_float16(family, dtype):
         backbone = keras_hub.models.MistralBackbone(sliding_window=4, **common)
     else:
         backbone = keras_hub.models.LlamaBackbone(**common)
-    recompute_model(backbone)
-    assert _model.recomputed_units(backbone) == [layer.name for layer in backbone.transformer_layers]
-    ids = np.random.RandomState(0).randint(1, 100, size=(2, 8)).astype("int32")
-    padding = np.ones((2, 8), "int32")
-    padding[1, 6:] = 0
-    call = lambda m, xs: m({"token_ids": xs[0], "padding_mask": xs[1]}, training=True)  # noqa: E731
-    runs = compare_on_and_off(backbone, [ids, padding], "eager", call, rtol=1e-2)  # float16: a few units in the last place
+    runs = _recomputed_backbone_on_and_off(backbone, 8, "eager", rtol=1e-2)  # float16: a few units in the last place
     unused = "reverse_embeddings"  # the language-model head's, not the backbone's
     missing = [v.path for v, g in zip(backbone.trainable_variables, runs[True][0][1]) if g is None and unused not in v.path]
     assert not missing, f"every weight gets a gradient: {missing}"
