@@ -675,11 +675,14 @@ def _waiter(upstream):
 # and what it keeps is what the allocator holds after its forward beyond its
 # outputs (`get_memory_info`: a GPU's allocator, or the CPU's BFC allocator
 # with `TF_CPU_ALLOCATOR_USE_BFC=1`). Where the allocator keeps no figures (the
-# CPU's default allocator) it is bounded from the traced graph instead: every
-# input and output of the ops on the differentiable path, views counted once,
-# a figure above the measured one (216 MB for the block above), so a plan
-# made from it recomputes more than it needs to but fits. The step timed is
-# the eager one.
+# CPU's default allocator) the plain call's is bounded from the traced graph
+# instead: every input and output of the ops on the differentiable path, views
+# counted once, a figure above the measured one (216 MB for the block above).
+# A recomputed call's internals run unrecorded, so the graph cannot tell them
+# apart from recorded ops: its figure is then the traced one, what its custom
+# gradient keeps, which for `"save_dots"` and `"attention_core"` misses what
+# their unrecomputed parts keep eagerly. Set `TF_CPU_ALLOCATOR_USE_BFC=1` for
+# measured figures. The step timed is the eager one.
 _VIEWS = frozenset(("Identity", "IdentityN", "Reshape", "ExpandDims", "Squeeze", "StopGradient", "Snapshot"))
 
 
@@ -690,7 +693,8 @@ def measure_unit(layer, args, kwargs, policy, timed=True, execution="compiled"):
         layer: the layer, its `call` set to the option being measured.
         args: positional arguments of a recorded call (tensors, masks attached).
         kwargs: keyword arguments of it.
-        policy: the option's name (the graph shows what it keeps: unused here).
+        policy: the option's name (the graph shows what it keeps; used only
+            for eager execution without allocator figures).
         timed: whether to return a step (else None).
         execution: `"compiled"` (a `tf.function` or XLA step) or `"eager"`
             (NOTE [ measuring for eager execution ]).
@@ -700,7 +704,6 @@ def measure_unit(layer, args, kwargs, policy, timed=True, execution="compiled"):
         the inputs and variables, the largest tensor among them, and a
         function that runs one forward and backward (already warmed up).
     """
-    del policy
     if not tf.executing_eagerly():
         raise RecomputeError(
             "keras_recompute: planning to a budget measures each unit by running it, which needs eager "
@@ -732,9 +735,11 @@ def measure_unit(layer, args, kwargs, policy, timed=True, execution="compiled"):
     operations = concrete.graph.get_operations()
     kept, largest = _kept_bytes(operations, forward_ops["count"])
     if execution == "eager":
-        kept = _eager_kept_bytes(layer, flat, positions, args, kwargs)
-        if kept is None:
-            kept = _eager_kept_bound(operations[: forward_ops["count"]])
+        measured = _eager_kept_bytes(layer, flat, positions, args, kwargs)
+        if measured is not None:
+            kept = measured
+        elif policy == "none":  # no allocator figures: the plain call's bound; a recomputed call keeps what its gradient saves
+            kept = max(kept, _eager_kept_bound(operations[: forward_ops["count"]]))
         run = lambda: step(*values)  # noqa: E731
     else:
         run = lambda: concrete(*values)  # noqa: E731
