@@ -160,6 +160,78 @@ def test_save_dots_runs_no_weight_matmul_again_on_torch():
     assert save_dots["batched"] == plain["batched"] + 2
 
 
+@pytest.mark.skipif(BACKEND != "torch", reason="PyTorch's dispatch modes")
+def test_save_dots_modes_see_only_the_weight_matmuls_on_torch(monkeypatch):
+    """The save_dots modes cost host time on each op they see: they see the weight matmuls' calls, no other op."""
+    import torch
+
+    from keras_recompute.backends import torch as torch_backend
+
+    seen = collections.Counter()
+    for mode in (torch_backend._KeepingDots, torch_backend._KeptDots):
+        original = mode.__torch_dispatch__
+
+        def spy(self, func, types, args=(), kwargs=None, _original=original, _mode=mode.__name__):
+            batched = func is torch.ops.aten.bmm.default and args[0].shape[0] > 1
+            seen[(_mode, "batched bmm" if batched else func.__name__.split(".")[0])] += 1
+            return _original(self, func, types, args, kwargs)
+
+        monkeypatch.setattr(mode, "__torch_dispatch__", spy)
+    layer = block("save_dots")
+    with recompute_scope(True):
+        loss_and_gradients(layer, [X], "eager", train_call)
+    ops = {op for _, op in seen}
+    # Three projections' einsums (query, key, value), the output projection's and two Dense matmuls: kept, then handed back.
+    kept = sum(n for (mode, op), n in seen.items() if mode == "_KeepingDots" and op in ("mm", "addmm", "bmm"))
+    assert kept == 6, seen
+    assert not ops & {"batched bmm", "_softmax", "bernoulli_", "native_dropout", "gelu", "native_layer_norm", "add"}, ops
+
+
+class InPlaceBlock(layers.Layer):
+    """Writes in place to a weight matmul's output (as keras-hub's Gemma scales its query: `q *= c`)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.project = layers.Dense(16, use_bias=False)
+        self.up = layers.Dense(32, activation="gelu")
+
+    def call(self, inputs, training=None):
+        projected = self.project(inputs)
+        projected *= 0.5  # in place on PyTorch
+        return self.up(projected)
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="an in-place write is PyTorch's")
+def test_save_dots_runs_a_call_that_writes_a_matmul_output_in_place():
+    """What is kept is what the matmul gave, not what the call wrote to it after; no matmul runs again.
+
+    With torch's selective checkpoint the kernel gradient of `up` was 0.38 off, silently.
+    """
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    compare_with_twin(InPlaceBlock, [X], "eager", steps=2, policy="save_dots")
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.matmuls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.matmuls += func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+            return func(*args, **(kwargs or {}))
+
+    def matmuls(policy):
+        layer = recomputed_class(InPlaceBlock, policy=policy)() if policy else InPlaceBlock()
+        with recompute_scope(False):
+            train_call(layer, [X])
+        with recompute_scope(True), Count() as mode:
+            loss_and_gradients(layer, [X], "eager", train_call)
+        return mode.matmuls
+
+    assert matmuls("save_dots") == matmuls(None)  # both kept and handed back, the written one too
+
+
 class UnseededBlock(AttentionBlock):
     """Dropouts without a seed: on torch they draw from torch's global generator (Keras's fast path)."""
 

@@ -82,7 +82,8 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full"):
     def context_fn():
         forward, recompute = contextlib.nullcontext(), contextlib.nullcontext()
         if policy == _policy.SAVE_DOTS:
-            forward, recompute = torch_checkpoint.create_selective_checkpoint_contexts(_save_dots)
+            cache = []
+            forward, recompute = _InMatmuls(_KeepingDots(cache)), _InMatmuls(_KeptDots(cache))
         if tape is None:
             return forward, _Contexts(_keras3.replay(state, owner), recompute)
         return _Contexts(tape.recording(), forward), _Contexts(_keras3.replay(state, owner), recompute, tape.replaying())
@@ -100,19 +101,164 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full"):
 
 
 # NOTE [ save_dots on PyTorch ]
-# Torch's selective checkpoint keeps the outputs of the ops a policy marks.
-# Ours marks the matmuls without a batch dimension, as JAX's
-# `dots_with_no_batch_dims_saveable`: a Dense kernel's `mm`/`addmm`, and the
-# `bmm` of batch 1 that `einsum` makes of an EinsumDense projection. The
-# scores of attention are a `bmm` over batch and heads (or a fused attention
-# op): recomputed.
+# The forward keeps the outputs of the matmuls without a batch dimension, as
+# JAX's `dots_with_no_batch_dims_saveable`: a Dense kernel's `mm`/`addmm`,
+# and the `bmm` of batch 1 that `einsum` makes of an EinsumDense projection;
+# the recompute, which runs the call again, is handed each of them in turn
+# instead of running that matmul. The scores of attention are a `bmm` over
+# batch and heads (or a fused attention op): recomputed. Both run as dispatch
+# modes below autograd, so the recompute's autograd records the same nodes
+# and saved tensors as the forward's, as torch's selective checkpoint does.
+#
+# Why not torch's selective checkpoint itself: it sees ops through a Python
+# dispatch mode over the whole call, and such a mode costs host time on every
+# op it sees, whatever it does with it. On a 12-block encoder small enough
+# that a step is all host time (hidden 32, seq 8, batch 2,
+# `mixed_bfloat16`, CPU), a step took 98 ms under "full", 156 ms under
+# "save_dots" with torch's selective checkpoint, and 153 ms with a mode that
+# only calls each op, against 112 ms with no mode. A GPU step of Keras on
+# PyTorch in bfloat16 is host-bound the same way (BERT-base, seq 512:
+# "save_dots" 2.47x the plain step, "full" 1.80x). So our modes are entered
+# only around the calls of Keras's matmul functions (`_MATMUL_FUNCTIONS` of
+# its torch backend, which Dense, EinsumDense and keras-hub's layers call):
+# the ops the policy can mark, a few per call, not the hundreds of other ops
+# of a block. (Torch's modes cannot be entered call by call: entering its
+# recompute mode resets its count of the ops handed back, torch 2.13.) The
+# forward and the recompute run the same Python, so the same calls enter the
+# modes in the same order and the recompute is handed what the forward kept,
+# in order.
+#
+# What is kept is a copy of the matmul's output, not the output itself: the
+# call may write to the output in place after (`h = dense(x); h += x` on
+# PyTorch, with a Dense without bias), and the recompute must get what the
+# matmul gave. Torch's selective checkpoint keeps the output itself and
+# checks its version counter, which does not see such a write: `matmul` and
+# `einsum` return a reshape of the `mm`/`bmm` output (`_unsafe_view`), whose
+# version counter is its own. There the recompute got the written value and
+# wrote it again, and the gradient of the next layer's kernel came out wrong
+# by 0.38 normwise, with no error (torch 2.13;
+# `test_save_dots_runs_a_call_that_writes_a_matmul_output_in_place`). The
+# copy costs one copy kernel per kept output, and no memory after the
+# forward. A matmul a unit makes outside Keras's
+# functions (a raw `torch.nn.Linear` inside a layer) is recomputed, as under
+# "full".
 _MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+_MATMUL_FUNCTIONS = ("matmul", "einsum", "dot", "tensordot")
 
 
 def _save_dots(ctx, op, *args, **kwargs):
     del ctx, kwargs
     keep = op in _MATMULS or (op is torch.ops.aten.bmm.default and args[0].shape[0] == 1)
     return torch_checkpoint.CheckpointPolicy.MUST_SAVE if keep else torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class _KeepingDots(TorchDispatchMode):
+    """The forward's mode: runs each op, and appends the outputs `_save_dots` marks to `cache` (detached)."""
+
+    def __init__(self, cache):
+        super().__init__()
+        self.cache = cache
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if _save_dots(None, func, *args) == torch_checkpoint.CheckpointPolicy.MUST_SAVE:
+            self.cache.append(out.detach().clone())  # a copy: the call may write to `out` in place after
+        return out
+
+
+class _KeptDots(TorchDispatchMode):
+    """The recompute's mode: hands back what `_KeepingDots` kept, in order, for the ops it marked; runs the others."""
+
+    def __init__(self, cache):
+        super().__init__()
+        self.cache = cache
+        self.position = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if _save_dots(None, func, *args) != torch_checkpoint.CheckpointPolicy.MUST_SAVE:
+            return func(*args, **(kwargs or {}))
+        if self.position >= len(self.cache) or self.cache[self.position] is None:
+            raise RecomputeError(
+                "keras_recompute: the recompute of a policy='save_dots' call ran more weight matmuls than its "
+                "forward, or its backward ran twice (retain_graph). A recomputed call must compute the same "
+                "function of its inputs each time; for a second backward use policy='full'."
+            )
+        kept = self.cache[self.position]
+        self.cache[self.position] = None  # handed over: the backward holds it as long as it needs it
+        self.position += 1
+        return kept
+
+
+class _InMatmuls:
+    """Within it, Keras's matmul functions, called in this thread, run inside `mode` (NOTE [ save_dots on PyTorch ])."""
+
+    def __init__(self, mode):
+        self.mode = mode
+
+    def __enter__(self):
+        _install_matmul_functions()
+        _matmul_modes().append(self.mode)
+        return self
+
+    def __exit__(self, *exc_info):
+        popped = _matmul_modes().pop()
+        assert popped is self.mode, "keras_recompute: the matmul modes of a thread were left out of order"
+
+
+def _matmul_modes():
+    if not hasattr(_THREADS, "matmul_modes"):
+        _THREADS.matmul_modes = []
+    return _THREADS.matmul_modes
+
+
+def _install_matmul_functions():
+    """Replaces Keras's torch matmul functions, once and for good, by ones that enter the thread's modes."""
+    from keras.src.backend.torch import numpy as torch_numpy
+
+    for name in _MATMUL_FUNCTIONS:
+        function = getattr(torch_numpy, name)
+        if not getattr(function, "_keras_recompute_original", None):
+            setattr(torch_numpy, name, _in_matmul_modes(function))
+
+
+def _in_matmul_modes(original):
+    def run(*args, **kwargs):
+        modes = _matmul_modes()
+        if not modes or getattr(_THREADS, "in_matmul", False) or _batched(original.__name__, args):
+            return original(*args, **kwargs)  # nothing to keep, or a matmul function inside another: entered once
+        _THREADS.in_matmul = True
+        try:
+            with contextlib.ExitStack() as stack:
+                for mode in modes:  # outermost first, as the whole call's modes would stack
+                    stack.enter_context(mode)
+                return original(*args, **kwargs)
+        finally:
+            _THREADS.in_matmul = False
+
+    run._keras_recompute_original = original
+    run.__name__, run.__qualname__, run.__doc__ = original.__name__, original.__qualname__, original.__doc__
+    return run
+
+
+def _batched(name, args):
+    """Whether a call of Keras's matmul function `name` is a matmul over a batch dimension (kept by no policy).
+
+    As `_save_dots`, but before the call, from its arguments: an einsum whose
+    two operands share an index that its output keeps (attention's scores
+    and weighted sum), a `matmul` of two operands of 3 or more dimensions. A
+    batched matmul is not entered in the modes: they would only cost host
+    time on every op of it (NOTE [ save_dots on PyTorch ]).
+    """
+    if name == "einsum" and len(args) == 3 and isinstance(args[0], str):
+        inputs, _, output = args[0].replace(" ", "").partition("->")
+        operands = inputs.split(",")
+        if len(operands) != 2 or not output:
+            return False
+        shared = set(operands[0]) & set(operands[1]) & set(output)
+        return bool(shared - {"."}) or all("..." in o for o in (operands[0], operands[1], output))
+    if name == "matmul" and len(args) == 2:
+        return all(len(getattr(a, "shape", ())) >= 3 for a in args)
+    return False
 
 
 def _copy(value):
@@ -337,7 +483,8 @@ def _dropout_replayable():
 # without the weights and the call's inputs (held anyway), they are what the
 # unit keeps. Under `"save_dots"` the selective checkpoint also keeps the
 # outputs of the matmuls its policy marks, in a cache the hooks do not see: a
-# dispatch mode adds them up with the same test (`_save_dots`); and the
+# dispatch mode adds them up with the same test (`_save_dots`), entered where
+# the checkpoint's are (around Keras's matmul functions); and the
 # policies keep packed dropout masks (NOTE [ dropout masks under the
 # policies ]), which `_dropout` reports. Its forward and backward is what
 # `_memory` times.
@@ -383,7 +530,7 @@ def measure_unit(layer, args, kwargs, policy, timed=True, execution="compiled"):
                 kept[storage.data_ptr()] = storage.nbytes()
             return tensor
 
-        dots = _DotBytes() if measure and policy == _policy.SAVE_DOTS else contextlib.nullcontext()
+        dots = _InMatmuls(_DotBytes()) if measure and policy == _policy.SAVE_DOTS else contextlib.nullcontext()
         masks = []  # the dropout masks a policy keeps (NOTE [ dropout masks under the policies ])
         _MEASURING.append(masks)
         try:
@@ -392,7 +539,7 @@ def measure_unit(layer, args, kwargs, policy, timed=True, execution="compiled"):
         finally:
             _MEASURING.remove(masks)
         if measure:  # no backward: what the forward keeps is known, and is freed with `outputs`
-            sizes = list(kept.values()) + (dots.sizes if policy == _policy.SAVE_DOTS else []) + masks
+            sizes = list(kept.values()) + (dots.mode.sizes if policy == _policy.SAVE_DOTS else []) + masks
             return sum(sizes), max(sizes, default=0)
         float_outputs = [o for o in keras.tree.flatten(outputs) if isinstance(o, torch.Tensor) and o.requires_grad]
         loss = sum(o.float().sum() for o in float_outputs)
