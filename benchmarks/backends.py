@@ -5,6 +5,7 @@ Compares, in one run, each configuration in a fresh subprocess:
     ours        keras_recompute.recompute_grad on each block's call (policy "full")
     save_dots   the same with policy="save_dots": the weight matmuls' outputs kept
     attention_core  the same with policy="attention_core": only attention's core recomputes
+    offload     "full" with offload=True: each block's input kept in host memory (GPU)
     remat       keras.remat around each block's call (the closure keeps
                 `training` a Python bool)
     rematscope  the encoder built inside keras.RematScope(mode="full")
@@ -24,6 +25,8 @@ Usage:
     python benchmarks/backends.py --backend jax            # CPU-sized defaults
     python benchmarks/backends.py --backend torch --bert-base --batch 32 --seq 512
     python benchmarks/backends.py --backend jax --bert-base --seq 512 --budget-gib 16
+    python benchmarks/backends.py --backend torch --blocks 48 --hidden 768 --heads 12 --ffn 3072 \
+        --seq 2048 --batch 2 --dtype mixed_bfloat16 --methods ours offload --budget-gib 16
 
 `--bert-base` sets 12 blocks of hidden 768, 12 heads, FFN 3072. `--budget-gib`
 also finds, for none and ours, the largest batch whose peak fits the budget
@@ -40,8 +43,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _measure  # noqa: E402
 
-METHODS = ("none", "ours", "save_dots", "attention_core", "remat", "rematscope")
-POLICIES = {"ours": "full", "save_dots": "save_dots", "attention_core": "attention_core"}
+METHODS = ("none", "ours", "save_dots", "attention_core", "offload", "remat", "rematscope")
+POLICIES = {"ours": "full", "save_dots": "save_dots", "attention_core": "attention_core", "offload": "full"}
 
 
 def parse_args(argv=None):
@@ -56,6 +59,7 @@ def parse_args(argv=None):
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--vocab", type=int, default=30522)
     parser.add_argument("--dropout", type=float, default=0.1)
+    parser.add_argument("--dtype", choices=("float32", "mixed_bfloat16", "mixed_float16"), default="float32")
     parser.add_argument("--steps", type=int, default=5, help="timed steps")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--budget-gib", type=float, help="also find the largest batch that fits")
@@ -101,7 +105,7 @@ def build_model(args, method):
             return inputs + self.positions
 
     class OursBlock(EncoderBlock):
-        call = recompute_grad(EncoderBlock.call, policy=POLICIES.get(method, "full"))
+        call = recompute_grad(EncoderBlock.call, policy=POLICIES.get(method, "full"), offload=method == "offload")
 
     class RematBlock(EncoderBlock):
         def call(self, inputs, training=None):
@@ -138,6 +142,7 @@ def child(args):
     os.environ["RECOMPUTE"] = "1" if args.child in POLICIES else "0"
     import keras
 
+    keras.config.set_dtype_policy(args.dtype)
     keras.utils.set_random_seed(0)
     model = build_model(args, args.child)
     rng = np.random.RandomState(0)
@@ -167,7 +172,7 @@ def child(args):
 
 def child_arguments(args, method, batch, steps=None):
     arguments = ["--child", method, "--backend", args.backend]
-    for name in ("blocks", "hidden", "heads", "ffn", "seq", "vocab", "dropout"):
+    for name in ("blocks", "hidden", "heads", "ffn", "seq", "vocab", "dropout", "dtype"):
         arguments += [f"--{name}", getattr(args, name)]
     return arguments + ["--batch", batch, "--steps", args.steps if steps is None else steps]
 
@@ -198,7 +203,7 @@ def main(argv=None):
     print(
         f"keras_recompute benchmark: Keras 3 on {args.backend} ({platform}), {args.blocks} blocks x hidden "
         f"{args.hidden}, {args.heads} heads, FFN {args.ffn}, seq {args.seq}, batch {args.batch}, "
-        f"dropout {args.dropout}, Adam, fp32"
+        f"dropout {args.dropout}, Adam, {args.dtype}"
     )
     memory_name = "peak MB" if platform != "cpu" else "activations MB"
     xla = args.backend == "jax"
@@ -233,9 +238,12 @@ def main(argv=None):
             print(f"{'':<15} one training forward {record['forward']:.3f} s: full recompute's floor (one more forward) {floor:.2f}x")
     if args.budget_gib:
         budget = int(args.budget_gib * 2**30)
-        batches = {method: largest_batch(args, method, budget) for method in ("none", "ours")}
-        ratio = batches["ours"] / max(batches["none"], 1)
-        print(f"largest batch within {args.budget_gib} GiB: none {batches['none']}, ours {batches['ours']} ({ratio:.1f}x)")
+        searched = [m for m in ("none", "ours", "offload") if m in args.methods or m != "offload"]
+        batches = {method: largest_batch(args, method, budget) for method in searched}
+        print(
+            f"largest batch within {args.budget_gib} GiB: "
+            + ", ".join(f"{m} {b} ({b / max(batches['none'], 1):.1f}x none)" for m, b in batches.items())
+        )
         results["largest_batch"] = batches
     rows = [{"method": method, **record} for method, record in results.items() if method != "largest_batch"]
     _measure.write_json(args.out, vars(args), {"platform": platform, "rows": rows, "largest_batch": results.get("largest_batch")})

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _measure  # noqa: E402
 import backends  # noqa: E402
 
-METHODS = ("none", "none_again", "ours", "save_dots", "attention_core")
+METHODS = ("none", "none_again", "ours", "save_dots", "attention_core", "offload")
 
 
 def parse_args(argv=None):
@@ -44,10 +44,13 @@ def parse_args(argv=None):
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=1000)
     parser.add_argument("--dropout", type=float, default=0.1)
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--methods", nargs="+", choices=METHODS, help="default: all (offload: not on TensorFlow)")
     parser.add_argument("--out", help="also write the results as JSON to this file")
     parser.add_argument("--child", nargs=2, metavar=("METHOD", "NPZ"), help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.methods is None:
+        args.methods = [m for m in METHODS if m != "offload" or args.backend != "tensorflow"]
+    return args
 
 
 def child(args):

@@ -141,12 +141,34 @@ class Option:
 
 
 class UnitCosts:
-    """A unit's options (by policy name, `"none"` included) and the bytes of its weights' gradients."""
+    """A unit's options (by policy name, `"none"` included), the bytes of its weights' gradients and of its inputs."""
 
-    def __init__(self, name, options, gradient_bytes):
+    def __init__(self, name, options, gradient_bytes, input_bytes=0):
         self.name = name
         self.options = dict(options)
         self.gradient_bytes = int(gradient_bytes)
+        self.input_bytes = int(input_bytes)
+
+
+def offloaded(model, policies):
+    """`model` with the inputs of each unit run under one of `policies` kept in host memory.
+
+    NOTE [ offload ] in `_policy`: those inputs leave what the forward keeps
+    on the device, and are back on it while the unit's backward runs (its
+    transient). Counted for the options whose kept bytes are their inputs
+    and no more (`"full"`); the others are counted as they are, which can
+    only over-predict their peak.
+    """
+    units = []
+    for unit in model.units:
+        options = {}
+        for name, option in unit.options.items():
+            if name in policies:
+                moved = min(unit.input_bytes, option.kept)
+                option = Option(name, option.kept - moved, option.transient + moved, option.seconds)
+            options[name] = option
+        units.append(UnitCosts(unit.name, options, unit.gradient_bytes, unit.input_bytes))
+    return Model(units, model.resident, model.outside, model.outside_gradient_bytes, model.update)
 
 
 class Model:

@@ -14,7 +14,7 @@ from keras_recompute._errors import RecomputeError
 _KERAS_CALL_KWARGS = ("training", "mask")
 
 
-def recompute_grad(fn=None, *, enabled=None, check=True, policy="full"):
+def recompute_grad(fn=None, *, enabled=None, check=True, policy="full", offload=False):
     """Recomputes a call's activations in the backward pass instead of storing them.
 
     Decorate a Keras `Layer.call` (or any function or callable that runs
@@ -44,6 +44,13 @@ def recompute_grad(fn=None, *, enabled=None, check=True, policy="full"):
             them is recomputed. `"attention_core"`: the call runs as it is,
             and only the core of each attention layer in it (scores, softmax,
             attention dropout, weighted sum) is recomputed.
+        offload: `True` keeps what the forward keeps for the recompute (the
+            call's floating-point inputs; on JAX also what `"save_dots"`
+            keeps) in host memory, and copies it back for the recompute
+            (NOTE [ offload ] in `_policy`). Keras 3 on JAX and PyTorch; on a
+            CPU, whose host memory is its device memory, the same code runs
+            and saves nothing. Under `"attention_core"` the inputs of each
+            attention core are offloaded.
 
     Returns:
         The decorated function, with `__wrapped__` set to `fn` and the same
@@ -53,10 +60,11 @@ def recompute_grad(fn=None, *, enabled=None, check=True, policy="full"):
 
     Raises:
         TypeError: if `fn` is not callable, `enabled` is not a bool or None,
-            or `check` is not a bool.
+            or `check` or `offload` is not a bool.
         ValueError: if `policy` is not one of `"full"`, `"save_dots"`,
             `"attention_core"`; when a call runs under `"attention_core"`
-            with no attention layer in it.
+            with no attention layer in it; when a call with `offload=True`
+            runs on TensorFlow.
 
     Example:
 
@@ -85,9 +93,14 @@ def recompute_grad(fn=None, *, enabled=None, check=True, policy="full"):
             "keras_recompute: recompute_grad(check=...) takes True or False; "
             f"received {check!r} of type {type(check).__name__}."
         )
+    if not isinstance(offload, bool):
+        raise TypeError(
+            "keras_recompute: recompute_grad(offload=...) takes True or False; "
+            f"received {offload!r} of type {type(offload).__name__}."
+        )
     _policy.check(policy, "recompute_grad")
     if fn is None:
-        return functools.partial(recompute_grad, enabled=enabled, check=check, policy=policy)
+        return functools.partial(recompute_grad, enabled=enabled, check=check, policy=policy, offload=offload)
     if not callable(fn):
         hint = (
             " To fix the choice, write @recompute_grad(enabled=True)."
@@ -117,8 +130,11 @@ def recompute_grad(fn=None, *, enabled=None, check=True, policy="full"):
             kwargs.pop(key, None)
         context = _context.capture(fn, args, kwargs, name)
         if policy == _policy.ATTENTION_CORE:
-            return _with_cores_recomputed(fn, args, kwargs, context, check)
-        return _dispatch(context, args, kwargs)(fn, args, kwargs, context, check=check, policy=policy)
+            return _with_cores_recomputed(fn, args, kwargs, context, check, offload)
+        call = _dispatch(context, args, kwargs, offload)
+        if offload:
+            return call(fn, args, kwargs, context, check=check, policy=policy, offload=True)
+        return call(fn, args, kwargs, context, check=check, policy=policy)
 
     if signature is not None:
         # tf_keras reads a call's arguments with getfullargspec, which ignores
@@ -143,13 +159,13 @@ def _undecorated(fn):
             return fn
 
 
-def _with_cores_recomputed(fn, args, kwargs, context, check):
+def _with_cores_recomputed(fn, args, kwargs, context, check, offload):
     """The call as it is, its attention layers' cores recomputed (NOTE [ policies ])."""
     owner = context.owner
     layers = _policy.attention_layers(owner) if _context.is_layer(owner) else []
     if not layers:
         raise ValueError(_policy.no_attention_message([context.name]))
-    with _policy.cores_recomputed(layers, recompute_grad, check):
+    with _policy.cores_recomputed(layers, recompute_grad, check, offload):
         return fn(*args, **kwargs)
 
 
@@ -163,6 +179,9 @@ def _kwargs_to_drop(signature):
     return tuple(key for key in _KERAS_CALL_KWARGS if key not in names)
 
 
+# The backends whose `recompute_call` takes `offload=True` (NOTE [ offload ] in `_policy`).
+_OFFLOAD_PATHS = ("jax", "torch")
+
 # The module of each backend's path; each has the same `recompute_call`.
 _PATHS = {
     "tensorflow": "keras_recompute.backends.tensorflow",
@@ -171,7 +190,7 @@ _PATHS = {
 }
 
 
-def _dispatch(context, args, kwargs):
+def _dispatch(context, args, kwargs, offload=False):
     """Returns the `recompute_call` of the backend that runs this call."""
     backend = _backend_of(context.owner, args, kwargs)
     if backend not in _PATHS:
@@ -181,6 +200,8 @@ def _dispatch(context, args, kwargs):
             f"{', '.join(sorted(_PATHS))}: set KERAS_BACKEND to one of them, or "
             "turn recompute off."
         )
+    if offload and backend not in _OFFLOAD_PATHS:
+        raise ValueError(_policy.offload_refused_message(context.name, backend))
     return importlib.import_module(_PATHS[backend]).recompute_call
 
 

@@ -62,6 +62,8 @@ class MemoryReport:
         floor: the least peak any plan over these units reaches.
         plain_peak: the predicted peak with no unit recomputed.
         measure_seconds: what measuring the units took (0 when it was cached).
+        offload: a line on offload when the plan offloads (NOTE [ offload ]
+            in `_policy`), else `""`.
         execution: the execution the prediction is for, `"eager"` or
             `"compiled"` (NOTE [ which execution a plan is for ]).
         execution_reason: why that one.
@@ -78,6 +80,7 @@ class MemoryReport:
         self.floor = floor
         self.plain_peak = plain_peak
         self.measure_seconds = measure_seconds
+        self.offload = ""  # a line on offload (NOTE [ offload ] in `_policy`) when it was asked for
 
     def __str__(self):
         options = []
@@ -103,19 +106,23 @@ class MemoryReport:
             f"(weights, optimizer and batch {_budget.format_bytes(self.resident)}; with no recompute "
             f"{_budget.format_bytes(self.plain_peak)}; the least any plan reaches {_budget.format_bytes(self.floor)})"
         )
+        if self.offload:
+            text.append(self.offload)
         return "\n".join(text)
 
     def __repr__(self):
         return f"<MemoryReport {len(self.rows)} units, predicted peak {_budget.format_bytes(self.predicted_peak)}>"
 
 
-def report(model, units, inputs, current, execution=None):
+def report(model, units, inputs, current, execution=None, offload=False):
     """The `MemoryReport` of `units` of `model` at `inputs`; `current[i]` is unit i's policy now.
 
     `execution`: `"eager"`, `"compiled"`, or None to infer it (`execution_of`).
+    `offload`: whether the recomputed units keep their inputs in host memory.
     """
     execution, reason = execution_of(model, execution, "memory_report")
     measured, seconds = costs(model, units, inputs, execution)
+    measured, offload_line = with_offload(model, measured, offload)
     rows = []
     for unit, unit_costs, policy in zip(units, measured.units, current):
         options = unit_costs.options
@@ -134,7 +141,29 @@ def report(model, units, inputs, current, execution=None):
     elif all(policy == _budget.NONE for policy in current):
         plain = predicted
     title = f"keras_recompute memory report: {model.name!r}, {len(units)} units, {_backend_name(model)}"
-    return MemoryReport(title, rows, predicted, measured.resident, measured.floor(), plain, seconds, execution, reason)
+    result = MemoryReport(title, rows, predicted, measured.resident, measured.floor(), plain, seconds, execution, reason)
+    result.offload = offload_line
+    return result
+
+
+def with_offload(model, measured, offload):
+    """`(measured, line)`: the costs with offload counted where it frees device memory, and the report's line on it.
+
+    NOTE [ offload ] in `_policy`: on a CPU the host memory is the device's,
+    and offloaded bytes stay counted.
+    """
+    if not offload:
+        return measured, ""
+    frees = getattr(_measuring_backend(model), "offload_frees_device_memory", lambda: False)()
+    if not frees:
+        return measured, (
+            "offload: on, but this device's host memory is its own memory (a CPU): the inputs stay counted"
+        )
+    moved = sum(unit.input_bytes for unit in measured.units)
+    return _budget.offloaded(measured, (_policy.FULL,)), (
+        f"offload: on; the inputs of units under 'full' are in host memory (up to {_budget.format_bytes(moved)}), "
+        "back on the device for their backward"
+    )
 
 
 def execution_of(model, execution, where):
@@ -301,7 +330,7 @@ def _unit_costs(unit, measured, input_bytes, output_bytes):
         extra = 0.0 if option == _budget.NONE else max(seconds - seconds_none, 1e-6)
         # Every option holds the unit's inputs: its first layers save them, or the recompute needs them.
         options[option] = _budget.Option(option, input_bytes + kept, transient, extra)
-    return _budget.UnitCosts(unit_name(unit), options, _variable_bytes(unit.trainable_variables))
+    return _budget.UnitCosts(unit_name(unit), options, _variable_bytes(unit.trainable_variables), input_bytes)
 
 
 def _record(model, units, inputs, backend):

@@ -51,6 +51,7 @@ def recompute_model(
     budget=None,
     inputs=None,
     execution=None,
+    offload=False,
 ):
     """Recomputes units of an existing model in the backward pass, without editing its classes.
 
@@ -99,6 +100,11 @@ def recompute_model(
             (`tf.function`, XLA, `jax.jit`, a compiled model's `fit`). `None`
             infers it: a compiled model's own setting, else `"eager"`, the
             larger peak. `memory_report` states which one a plan is for.
+        offload: `True` keeps what each recomputed unit saves for its
+            recompute in host memory (`recompute_grad(offload=True)`, NOTE
+            [ offload ] in `_policy`): Keras 3 on JAX and PyTorch. With
+            `budget`, the plan counts the inputs of units under `"full"` off
+            the device, where the device is not a CPU.
 
     Returns:
         `model` itself.
@@ -110,8 +116,10 @@ def recompute_model(
             `"attention_core"` on units without an attention layer, a budget
             that cannot be read, `budget` without `inputs` or with `limit`,
             `inputs` or `execution` without `budget`, an unknown
-            `execution`, or a budget below the least peak any plan reaches.
-        TypeError: if `model` is not a Keras layer, or `enabled` not a bool.
+            `execution`, a budget below the least peak any plan reaches, or
+            `offload=True` on TensorFlow or tf_keras.
+        TypeError: if `model` is not a Keras layer, or `enabled` or
+            `offload` not a bool.
 
     Example:
 
@@ -125,6 +133,7 @@ def recompute_model(
     _check_options(model, blocks, segments, limit, policy, enabled)
     _check_budget_options(budget, inputs, limit, policy, execution)
     framework = _framework(model)
+    _check_offload(model, framework, offload)
     # Everything that can fail before measuring comes first; a failed plan puts the earlier one back.
     getattr(framework, "check_plannable", lambda model: None)(model)
     pieces = None
@@ -145,25 +154,27 @@ def recompute_model(
             policies = [policy] * len(units)
         else:
             with pieces.measuring() if pieces is not None else contextlib.nullcontext():
-                policies = _planned_policies(model, units, budget, inputs, execution)
+                policies = _planned_policies(model, units, budget, inputs, execution, offload)
     except BaseException:
         if earlier is not None:
             earlier.redo()
             object.__setattr__(model, _PLAN, earlier)
         raise
-    plan = _Plan(enabled, pieces, execution if budget is not None else None)
+    plan = _Plan(enabled, pieces, execution if budget is not None else None, offload)
     on = lambda: _config.is_enabled() if enabled is None else enabled  # noqa: E731
     if pieces is not None:
         plan.add(functools.partial(pieces.install, on))
     for unit, unit_policy in zip(units, policies):
         if unit_policy != _budget.NONE:
-            plan.add(functools.partial(_patch_call, unit, enabled, unit_policy), _memory.unit_name(unit), unit_policy)
+            plan.add(
+                functools.partial(_patch_call, unit, enabled, unit_policy, offload), _memory.unit_name(unit), unit_policy
+            )
     plan.add(functools.partial(getattr(framework, "rebuild_graph_outputs", lambda model: None), model))
     object.__setattr__(model, _PLAN, plan)
     return model
 
 
-def memory_report(model, inputs, *, blocks="auto", execution=None):
+def memory_report(model, inputs, *, blocks="auto", execution=None, offload=None):
     """What each unit of `model` keeps and costs under each policy, and the peak of a training step.
 
     The costs are measured on `inputs` (NOTE [ measuring a model's units ] in
@@ -179,6 +190,9 @@ def memory_report(model, inputs, *, blocks="auto", execution=None):
             whose blocks are not layers (bert4keras) over its blocks' pieces.
         execution: `"eager"`, `"compiled"` or None, as in `recompute_model`:
             the execution the predicted peak is for; the report states it.
+        offload: whether the recomputed units keep their inputs in host
+            memory (NOTE [ offload ] in `_policy`); None: as the model's
+            plan does (False without one). The report says how it counted it.
 
     Returns:
         A `MemoryReport`: `print(report)` shows the table; `report.rows` (one
@@ -209,9 +223,12 @@ def memory_report(model, inputs, *, blocks="auto", execution=None):
     applied = plan.applied() if plan is not None else {}
     if execution is None and plan is not None:
         execution = plan.execution  # a plan's report is for the execution it was made for
+    if offload is None:
+        offload = plan.offload if plan is not None else False
+    _check_offload(model, framework, offload, "memory_report")
     with pieces.measuring() if pieces is not None else contextlib.nullcontext():
         current = [applied.get(_memory.unit_name(u), _budget.NONE) for u in units]
-        return _memory.report(model, units, inputs, current, execution)
+        return _memory.report(model, units, inputs, current, execution, offload)
 
 
 def unrecompute_model(model):
@@ -237,8 +254,9 @@ class _Plan:
     and would save the weights of layers found in a list a second time.
     """
 
-    def __init__(self, enabled=None, pieces=None, execution=None):
+    def __init__(self, enabled=None, pieces=None, execution=None, offload=False):
         self._steps = []  # (do, undo)
+        self.offload = offload
         self.names = ()
         self.policies = ()
         self.enabled = enabled
@@ -311,6 +329,25 @@ def _check_options(model, blocks, segments, limit, policy, enabled):
         )
 
 
+def _check_offload(model, framework, offload, where="recompute_model"):
+    if not isinstance(offload, bool):
+        raise TypeError(
+            f"keras_recompute: {where}(offload=...) takes True or False; received {offload!r} of type "
+            f"{type(offload).__name__}."
+        )
+    if not offload:
+        return
+    from keras_recompute.backends import _keras3
+
+    backend = _keras3.backend_name() if framework is _keras3 else "tf_keras"
+    if backend not in ("jax", "torch"):
+        raise ValueError(
+            f"keras_recompute: {where}(offload=True) keeps what recomputed units save in host memory on Keras 3's "
+            f"JAX and PyTorch backends; {model.name!r} runs on {backend!r}, which has no offload path. Drop "
+            "offload=True, or run it with KERAS_BACKEND=jax or torch."
+        )
+
+
 def _check_budget_options(budget, inputs, limit, policy, execution):
     if budget is None:
         for name, value in (("inputs", inputs), ("execution", execution)):
@@ -338,7 +375,7 @@ def _check_budget_options(budget, inputs, limit, policy, execution):
         )
 
 
-def _planned_policies(model, units, budget, inputs, execution):
+def _planned_policies(model, units, budget, inputs, execution, offload=False):
     """Each unit's policy (or `"none"`) from the solver, under `budget` (NOTE [ the solver ])."""
     kind, value = _budget.parse_budget(budget)
     execution, _ = _memory.execution_of(model, execution, "recompute_model")
@@ -346,6 +383,7 @@ def _planned_policies(model, units, budget, inputs, execution):
     if kind == "fraction" and value >= 1.0:
         return plain  # all the activations may stay: nothing to measure
     costs, _ = _memory.costs(model, units, inputs, execution)
+    costs, _ = _memory.with_offload(model, costs, offload)
     if kind == "fraction":
         value = costs.peak(plain) - (1.0 - value) * costs.activation_bytes(plain)
     policies = _budget.solve(costs, value)
@@ -353,7 +391,7 @@ def _planned_policies(model, units, budget, inputs, execution):
     for _ in range(3):  # where a compiler states the step's peak, the plan is checked against it
         if policies is None:
             break
-        undos = [_patch_call(unit, True, p) for unit, p in zip(units, policies) if p != _budget.NONE]
+        undos = [_patch_call(unit, True, p, offload) for unit, p in zip(units, policies) if p != _budget.NONE]
         try:
             actual = _memory.compiled_peak(model, inputs, costs, execution)
         finally:
@@ -499,11 +537,11 @@ def _check_attention(units):
         raise ValueError(_policy.no_attention_message(without))
 
 
-def _patch_call(layer, enabled, policy):
+def _patch_call(layer, enabled, policy, offload=False):
     """Decorates one instance's `call`; returns how to undo it."""
     had_own = "call" in layer.__dict__
     previous = layer.__dict__.get("call")
-    wrapped = recompute_grad(layer.call, enabled=enabled, policy=policy)
+    wrapped = recompute_grad(layer.call, enabled=enabled, policy=policy, offload=offload)
     object.__setattr__(layer, "call", wrapped)
 
     def undo():

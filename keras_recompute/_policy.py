@@ -56,6 +56,41 @@ def keeps_dropout_masks(policy):
     return policy == SAVE_DOTS or getattr(_STATE, "cores", 0) > 0
 
 
+# NOTE [ offload ]
+# `offload=True` keeps what a recomputed unit's forward keeps for its
+# recompute in host memory, and copies it back for the recompute, as
+# DeepSpeed's `cpu_checkpointing`, JAX's offloading checkpoint policies and
+# torch's `save_on_cpu` do for theirs. Under "full" that is the unit's
+# floating-point inputs, which with every unit recomputed are most of what a
+# deep model keeps (blocks x batch x seq x hidden). What moves, per backend:
+#   * JAX: the custom VJP's residuals that are the call's floating-point
+#     inputs (and under "save_dots" every floating-point residual that is not
+#     a closed-over value, such as a weight) are placed in host memory
+#     (`jax.memory.Space.Host`) by the forward, and placed back on the device
+#     by the backward before it waits for the incoming gradient. XLA does the
+#     copies, and schedules them.
+#   * PyTorch: the inputs torch's checkpoint saves for the recompute go
+#     through saved-tensor hooks that copy them to (pinned, when CUDA is
+#     there) host memory, and back when the recompute needs them; the copies
+#     are asynchronous on the current stream, which orders them with the
+#     kernels that make and use the tensors. What "save_dots" keeps and the
+#     packed dropout masks stay on the device.
+#   * TensorFlow: not offered (`ValueError`).
+# On a CPU host memory is the device's memory: the same code runs (PyTorch
+# copies into another CPU tensor; XLA's CPU compiler drops the placement),
+# and nothing is saved, so the planner counts offloaded bytes as device bytes
+# there (`offload_frees_device_memory` in each backend). Values never change:
+# a copy there and back is the same tensor.
+
+
+def offload_refused_message(name, backend):
+    return (
+        f"keras_recompute: {name} was decorated with offload=True, which keeps what a recomputed call saves in "
+        f"host memory on Keras 3's JAX and PyTorch backends; it runs on {backend!r}, which has no offload path. "
+        "Drop offload=True, or run it with KERAS_BACKEND=jax or torch."
+    )
+
+
 def check(policy, where):
     """Raises ValueError unless `policy` names a policy; `where` names the function it was passed to."""
     if not (isinstance(policy, str) and policy in POLICIES):
@@ -87,18 +122,19 @@ def no_attention_message(names):
 
 
 @contextlib.contextmanager
-def cores_recomputed(layers, recompute, check):
+def cores_recomputed(layers, recompute, check, offload=False):
     """Within it, each layer's attention core is recomputed: its instance's method is decorated.
 
     Args:
         layers: attention layers (see `attention_layers`).
         recompute: the `recompute_grad` decorator (passed in: the decorator imports this module).
         check: the `check` option of the unit.
+        offload: the `offload` option of the unit: each core's inputs go to host memory.
     """
     with contextlib.ExitStack() as stack:
         for layer in layers:
             name = core_method(layer)
-            core = _recomputed_core(layer, name, recompute, check)
+            core = _recomputed_core(layer, name, recompute, check, offload)
             stack.enter_context(_context.instance_attribute(layer, name, core))
         _STATE.cores = getattr(_STATE, "cores", 0) + 1
         try:
@@ -107,7 +143,7 @@ def cores_recomputed(layers, recompute, check):
             _STATE.cores -= 1
 
 
-def _recomputed_core(layer, name, recompute, check):
+def _recomputed_core(layer, name, recompute, check, offload=False):
     """`layer`'s core method, recomputed; when its caller drops the scores, they are not returned.
 
     A core returns `(output, scores)` (Keras's `_compute_attention`,
@@ -118,13 +154,13 @@ def _recomputed_core(layer, name, recompute, check):
     scores go unused, the recomputed call is one that returns the output only.
     """
     original = getattr(layer, name)
-    whole = recompute(original, enabled=True, check=check)
+    whole = recompute(original, enabled=True, check=check, offload=offload)
 
     def attention_output(self, *args, **kwargs):
         return original(*args, **kwargs)[0]
 
     attention_output.__qualname__ = f"{type(layer).__name__}.{name}"
-    output_only = recompute(types.MethodType(attention_output, layer), enabled=True, check=check)
+    output_only = recompute(types.MethodType(attention_output, layer), enabled=True, check=check, offload=offload)
 
     scores_unused = _scores_unused_test(layer, name, original)
 

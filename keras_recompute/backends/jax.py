@@ -63,7 +63,7 @@ def _is_differentiable(value):
     return isinstance(value, jax.Array) and jnp.issubdtype(value.dtype, jnp.inexact)
 
 
-def recompute_call(fn, args, kwargs, context, check=True, policy="full"):
+def recompute_call(fn, args, kwargs, context, check=True, policy="full", offload=False):
     """Calls `fn(*args, **kwargs)`, keeping only its arguments for the backward.
 
     Args:
@@ -75,6 +75,7 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full"):
             traced program, so its values cannot differ from the forward's.
         policy: `"full"`, or `"save_dots"`: the outputs of the weight matmuls
             are kept (NOTE [ save_dots on JAX ]).
+        offload: keep the residuals in host memory (NOTE [ offload ] in `_policy`).
 
     Returns:
         What `fn` returns, with the same structure.
@@ -124,7 +125,7 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full"):
     # over (weights, seeds, masks, outer tracers) becomes an explicit argument.
     closed, shapes = jax.make_jaxpr(pure, return_shape=True)(*[leaves[i] for i in positions])
     closed = closed.replace(jaxpr=_without_refused_dot_algorithms(closed.jaxpr))
-    flat = _recompute(closed.jaxpr, policy)(*closed.consts, *[leaves[i] for i in positions])
+    flat = _recompute(closed.jaxpr, policy, offload)(*closed.consts, *[leaves[i] for i in positions])
     arrays, updates, losses, masks = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shapes), flat)
 
     for variable, value in zip(traced["variables"], updates):
@@ -207,8 +208,14 @@ def _refused(precision, lhs_dtype, rhs_dtype, preferred_element_type):
     return False
 
 
-def _recompute(jaxpr, policy):
+def _recompute(jaxpr, policy, offload=False):
     """`jaxpr` as a function whose backward pass evaluates it again.
+
+    With `offload`, the residuals that are not closed-over values (the call's
+    float inputs; under `"save_dots"` also the kept matmul outputs) are
+    placed in host memory by the forward and back on the device by the
+    backward, before they wait for the incoming gradient (NOTE [ offload ]
+    in `_policy`).
 
     NOTE [ save_dots on JAX ]
     Under `"save_dots"` the forward linearizes the program under
@@ -240,23 +247,62 @@ def _recompute(jaxpr, policy):
         saving = jax.checkpoint(run, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
 
         def forward(*args):
-            return jax.vjp(saving, *waited_seeds(args))
+            outputs, linearized = jax.vjp(saving, *waited_seeds(args))
+            if offload:
+                closed_over = {id(a) for a in args[:num_consts]}
+                linearized = _placed(linearized, _HOST, lambda leaf: id(leaf) not in closed_over)
+            return outputs, linearized
 
         def backward(linearized, cotangents):
+            if offload:
+                linearized = _placed(linearized, _DEVICE, _on_host)
             return _wait(linearized, _zero_from(cotangents))(cotangents)
 
     else:
 
         def forward(*args):
-            return run(*waited_seeds(args)), args
+            outputs = run(*waited_seeds(args))
+            if offload:
+                args = (*args[:num_consts], *_placed(list(args[num_consts:]), _HOST))
+            return outputs, args
 
         def backward(args, cotangents):
+            if offload:
+                args = (*args[:num_consts], *_placed(list(args[num_consts:]), _DEVICE))
             args = _wait(args, _zero_from(cotangents))
             _, vjp = jax.vjp(run, *args)
             return vjp(cotangents)
 
     call.defvjp(forward, backward)
     return call
+
+
+_HOST, _DEVICE = "host", "device"
+
+
+def _placed(tree, where, chosen=lambda leaf: True):
+    """`tree` with its chosen floating-point arrays placed in host memory or on the device (NOTE [ offload ])."""
+    space = jax.memory.Space.Host if where == _HOST else jax.memory.Space.Device
+
+    def place(leaf):
+        if _is_differentiable(leaf) and leaf.size and chosen(leaf):
+            return jax.device_put(leaf, space)
+        return leaf
+
+    return jax.tree_util.tree_map(place, tree)
+
+
+def _on_host(leaf):
+    """Whether an array (traced or not) lives in host memory."""
+    space = getattr(getattr(leaf, "aval", None), "memory_space", None)
+    if space is not None and space != jax.memory.Space.Any:
+        return space == jax.memory.Space.Host
+    return getattr(getattr(leaf, "sharding", None), "memory_kind", None) in ("pinned_host", "unpinned_host")
+
+
+def offload_frees_device_memory():
+    """Whether offloaded bytes leave the device's memory: not on a CPU, whose host memory it is."""
+    return jax.devices()[0].platform != "cpu"
 
 
 def _zero_from(tree):

@@ -47,7 +47,7 @@ def _snapshot(value):
     return value.detach().clone()
 
 
-def recompute_call(fn, args, kwargs, context, check=True, policy="full"):
+def recompute_call(fn, args, kwargs, context, check=True, policy="full", offload=False):
     """Calls `fn(*args, **kwargs)` under `torch.utils.checkpoint`.
 
     Args:
@@ -58,6 +58,8 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full"):
         check: keep torch's determinism check of the recompute.
         policy: `"full"`, or `"save_dots"`: the outputs of the weight matmuls
             are kept (NOTE [ save_dots on PyTorch ]).
+        offload: keep the inputs the checkpoint saves in host memory (NOTE
+            [ offload ] in `_policy`).
 
     Returns:
         What `fn` returns.
@@ -88,7 +90,10 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full"):
             return forward, _Contexts(_keras3.replay(state, owner), recompute)
         return _Contexts(tape.recording(), forward), _Contexts(_keras3.replay(state, owner), recompute, tape.replaying())
 
-    with torch_checkpoint.set_checkpoint_early_stop(False):
+    offloading = _offloaded() if offload else contextlib.nullcontext()
+    # The checkpoint saves the call's inputs under the hooks active when it is
+    # called (`offloading`); what the call saves inside goes to its own hooks.
+    with torch_checkpoint.set_checkpoint_early_stop(False), offloading:
         return torch_checkpoint.checkpoint(
             run,
             *args,
@@ -98,6 +103,29 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full"):
             determinism_check="default" if check else "none",
             **kwargs,
         )
+
+
+def _offloaded():
+    """Saved-tensor hooks that keep each saved tensor in host memory until it is unpacked (NOTE [ offload ])."""
+
+    def pack(tensor):
+        pinned = tensor.device.type == "cuda"
+        host = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=pinned)
+        host.copy_(tensor, non_blocking=pinned)
+        return tensor.device, host
+
+    def unpack(packed):
+        device, host = packed
+        return host.to(device, non_blocking=host.is_pinned())
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+def offload_frees_device_memory():
+    """Whether offloaded bytes leave the device's memory: not on a CPU, whose host memory it is."""
+    from keras.src.backend.torch.core import get_device
+
+    return str(get_device()).split(":")[0] != "cpu"
 
 
 # NOTE [ save_dots on PyTorch ]

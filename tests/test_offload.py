@@ -1,0 +1,180 @@
+"""`offload=True`: what a recomputed unit keeps goes to host memory and back (Keras 3, every backend).
+
+On JAX and PyTorch every policy with offload gives the undecorated twin's
+outputs and gradients, and the offload is proven to happen: JAX's step
+program places the residuals in host memory and back; on PyTorch the inputs
+the checkpoint saves pass through the offload hooks, which keep a host copy
+and hand the recompute a tensor made from it. On a CPU host memory is the
+device's, so nothing is saved there: the planner counts offloaded bytes on
+the device unless the backend says the device is not a CPU (faked here to
+check the counting). TensorFlow refuses it with a message.
+"""
+
+import collections
+import re
+
+import keras
+import numpy as np
+import pytest
+
+from _keras3_twins import BACKEND, FAST_MODE, MODES, compare_with_twin, loss_and_gradients, recomputed_class, step_program
+from keras_recompute import _budget, memory_report, recompute_grad, recompute_model, recompute_scope
+from test_budget import AttentionBlock, blocks_model, train_call
+
+X = np.random.RandomState(0).standard_normal((2, 6, 16)).astype("float32")
+BATCH = np.random.RandomState(1).standard_normal((32, 64, 16)).astype("float32")  # activations outweigh the weights
+POLICIES = ("full", "save_dots", "attention_core")
+OFFLOADS = BACKEND in ("jax", "torch")
+
+
+def built(policy=None, offload=True):
+    keras.utils.set_random_seed(0)
+    cls = AttentionBlock if policy is None else recomputed_class(AttentionBlock, policy=policy, offload=offload)
+    layer = cls()
+    with recompute_scope(False):
+        train_call(layer, [X])
+    return layer
+
+
+@pytest.mark.skipif(not OFFLOADS, reason="offload is for JAX and PyTorch")
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("mode", MODES)
+def test_offload_matches_the_twin(policy, mode):
+    compare_with_twin(AttentionBlock, [X], mode, steps=2, policy=policy, offload=True)
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="the program of a JAX step")
+@pytest.mark.parametrize("policy", POLICIES)
+def test_the_jax_step_places_the_residuals_in_host_memory_and_back(policy):
+    def placements(offload):
+        with recompute_scope(True):
+            program = step_program(built(policy, offload), [X], train_call)
+        return collections.Counter(re.findall(r"MemorySpace\.(Host|Device)", program))
+
+    without, with_offload = placements(False), placements(True)
+    assert without == {}
+    # Each residual goes to the host in the forward and comes back in the backward: full keeps the
+    # block's input, attention_core the core's query, key and value; save_dots also its matmul outputs.
+    expected = {"full": 1, "attention_core": 3}.get(policy)
+    assert with_offload["Host"] == with_offload["Device"] == (expected or with_offload["Host"])
+    assert with_offload["Host"] >= (1 if expected else 4)
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="PyTorch's saved-tensor hooks")
+@pytest.mark.parametrize("policy", POLICIES)
+def test_torch_keeps_the_saved_inputs_as_host_copies(policy, monkeypatch):
+    import torch
+
+    from keras_recompute.backends import torch as torch_backend
+
+    packed, unpacked = [], []
+    original = torch_backend._offloaded
+
+    def spied():
+        hooks = original()
+
+        def pack(tensor):
+            result = hooks.pack_hook(tensor)
+            packed.append((tensor, result[1]))
+            return result
+
+        def unpack(value):
+            result = hooks.unpack_hook(value)
+            unpacked.append(result)
+            return result
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+    monkeypatch.setattr(torch_backend, "_offloaded", spied)
+    layer = built(policy)
+    with recompute_scope(True):
+        loss_and_gradients(layer, [X], "eager", train_call)
+    shapes = [tuple(tensor.shape) for tensor, _ in packed]
+    assert shapes == ([(2, 6, 16)] if policy != "attention_core" else [(2, 6, 2, 8)] * 3)
+    for tensor, host in packed:
+        assert host.device.type == "cpu" and host.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr()
+        assert host.is_pinned() == (tensor.device.type == "cuda")
+    assert len(unpacked) == len(packed)  # each came back once, for the recompute
+
+
+@pytest.mark.skipif(OFFLOADS, reason="TensorFlow's refusal")
+def test_tensorflow_refuses_offload_with_a_message():
+    layer = built("full", offload=True)
+    with recompute_scope(True), pytest.raises(ValueError, match=r"offload=True.*'tensorflow'.*KERAS_BACKEND=jax or torch"):
+        train_call(layer, [X])
+    with pytest.raises(ValueError, match=r"recompute_model\(offload=True\).*'tensorflow'"):
+        recompute_model(blocks_model(), offload=True)
+
+
+def test_offload_takes_a_bool():
+    with pytest.raises(TypeError, match=r"recompute_grad\(offload=\.\.\.\) takes True or False; received 'yes'"):
+        recompute_grad(AttentionBlock.call, offload="yes")
+    with pytest.raises(TypeError, match=r"recompute_model\(offload=\.\.\.\) takes True or False; received 1"):
+        recompute_model(blocks_model(), offload=1)
+
+
+def test_offloaded_costs_move_the_inputs_of_full_units_to_their_backward():
+    unit = _budget.UnitCosts(
+        "u",
+        {
+            "none": _budget.Option("none", 500, 80, 0.0),
+            "full": _budget.Option("full", 100, 60, 1.0),
+            "save_dots": _budget.Option("save_dots", 300, 70, 0.5),
+        },
+        gradient_bytes=10,
+        input_bytes=100,
+    )
+    model = _budget.Model([unit, unit], resident=1000, outside=50, outside_gradient_bytes=5)
+    moved = _budget.offloaded(model, ("full",))
+    full = moved.units[0].options["full"]
+    assert (full.kept, full.transient, full.seconds) == (0, 160, 1.0)
+    assert moved.units[0].options["save_dots"].kept == 300 and moved.units[0].options["none"].kept == 500
+    # Before: the second unit's backward holds both units' inputs (1050 fixed + 10 gradients + 200 + 60).
+    # After: each unit's backward holds its own input alone; the first's has the most gradients (1050 + 20 + 160).
+    assert (model.peak(["full", "full"]), moved.peak(["full", "full"])) == (1320, 1230)
+
+
+@pytest.mark.skipif(not OFFLOADS, reason="offload is for JAX and PyTorch")
+def test_the_planner_counts_offload_off_the_device_only_where_the_device_is_not_the_cpu(monkeypatch):
+    from keras_recompute import _memory
+
+    model = blocks_model(seq=64)
+    backend = _memory._measuring_backend(model)
+    on_device = memory_report(model, BATCH, offload=True)
+    plain = memory_report(model, BATCH)
+    assert "host memory is its own memory" in str(on_device)
+    assert on_device.floor == plain.floor  # a CPU: nothing moves
+
+    monkeypatch.setattr(backend, "offload_frees_device_memory", lambda: True)  # as on a GPU...
+    monkeypatch.setattr(_memory, "compiled_peak", lambda *args, **kwargs: None)  # ...whose compiler's figure XLA's CPU cannot give
+    moved = memory_report(model, BATCH, offload=True)
+    inputs = BATCH.nbytes  # every block takes a batch x seq x width float32 tensor
+    assert "in host memory" in str(moved)
+    for before, after in zip(plain.rows, moved.rows):
+        assert after["kept_bytes"]["full"] == before["kept_bytes"]["full"] - inputs
+        assert after["kept_bytes"]["save_dots"] == before["kept_bytes"]["save_dots"]
+    assert moved.floor < plain.floor
+    # A budget between the two floors: a plan only with offload, and its units run offloaded.
+    budget = (moved.floor + plain.floor) // 2
+    with pytest.raises(ValueError, match="below the least peak"):
+        recompute_model(model, budget=budget, inputs=BATCH, enabled=True)
+    recompute_model(model, budget=budget, inputs=BATCH, offload=True, enabled=True)
+    report = memory_report(model, BATCH)  # the plan's offload, by default
+    assert report.predicted_peak <= budget and "in host memory" in str(report)
+    recomputed = sum(row["policy"] != "none" for row in report.rows)
+    assert recomputed and _offloads_in_a_step(model, monkeypatch) >= recomputed  # JAX: one placement a residual
+
+
+def _offloads_in_a_step(model, monkeypatch):
+    """How many recomputed calls of a training step of `model` offloaded what they keep."""
+    x = BATCH[:2]
+    if BACKEND == "jax":
+        program = step_program(model, [x], train_call)
+        return len(re.findall(r"MemorySpace\.Host", program))
+    from keras_recompute.backends import torch as torch_backend
+
+    calls = []
+    original = torch_backend._offloaded
+    monkeypatch.setattr(torch_backend, "_offloaded", lambda: calls.append(1) or original())
+    loss_and_gradients(model, [x], "eager", train_call)
+    return len(calls)
