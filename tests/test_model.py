@@ -414,9 +414,9 @@ def _keras_hub_backbone(family, lora):
     return backbone
 
 
-def _recomputed_backbone_on_and_off(backbone, seq, mode, **options):
+def _recomputed_backbone_on_and_off(backbone, seq, mode, offload=False, **options):
     """`recompute_model(backbone)`, then `compare_on_and_off` on a padded batch of token ids."""
-    recompute_model(backbone)
+    recompute_model(backbone, offload=offload)
     assert _model.recomputed_units(backbone) == [layer.name for layer in backbone.transformer_layers]
     ids = np.random.RandomState(0).randint(1, 100, size=(2, seq)).astype("int32")
     padding = np.ones((2, seq), "int32")
@@ -425,11 +425,15 @@ def _recomputed_backbone_on_and_off(backbone, seq, mode, **options):
     return compare_on_and_off(backbone, [ids, padding], mode, call, **options)
 
 
+OFFLOAD = (False, True) if BACKEND in ("jax", "torch") else (False,)
+
+
+@pytest.mark.parametrize("offload", OFFLOAD)
 @pytest.mark.parametrize("family,lora", [("Gemma", True), ("Llama", False), ("GPT2", True)])
-def test_keras_hub_backbones_recompute_their_transformer_layers(family, lora):
-    """Decoder blocks of their own classes, which `integrations.keras_hub` does not know; LoRA too."""
+def test_keras_hub_backbones_recompute_their_transformer_layers(family, lora, offload):
+    """Decoder blocks of their own classes, which `integrations.keras_hub` does not know; LoRA too; offload too."""
     backbone = _keras_hub_backbone(family, lora)
-    runs = _recomputed_backbone_on_and_off(backbone, 16, FAST_MODE)
+    runs = _recomputed_backbone_on_and_off(backbone, 16, FAST_MODE, offload)
     gradients = dict(zip([v.path for v in backbone.trainable_variables], runs[True][0][1][-len(backbone.trainable_variables) :]))
     lora_gradients = [path for path in gradients if "lora" in path]
     assert len(lora_gradients) == (8 if lora else 0)  # A and B of query and value, in 2 blocks

@@ -43,6 +43,26 @@ def test_offload_matches_the_twin(policy, mode):
     compare_with_twin(AttentionBlock, [X], mode, steps=2, policy=policy, offload=True)
 
 
+@pytest.mark.skipif(not OFFLOADS, reason="offload is for JAX and PyTorch")
+@pytest.mark.parametrize("dtype", ["float32", "mixed_bfloat16"])
+def test_offload_with_masks_keywords_and_mixed_precision(dtype):
+    """Keras masks on the arguments, keyword tensors, a boolean input, dropout and BatchNorm; bfloat16 too."""
+    from test_keras3 import RNG, KeywordBlock, Noisy, normal
+
+    options = {"rtol": 1e-2} if dtype != "float32" else {}
+
+    def call(layer, xs):
+        return layer(xs[0], bias=xs[1], keep=xs[2], scale=0.5, training=True)
+
+    keras.config.set_dtype_policy(dtype)
+    try:
+        compare_with_twin(KeywordBlock, [normal(4, 8), normal(16), RNG.rand(4, 16) > 0.3], FAST_MODE, call=call,
+                          offload=True, **options)
+        compare_with_twin(Noisy, [normal(8, 16)], FAST_MODE, steps=2, offload=True, **options)
+    finally:
+        keras.config.set_dtype_policy("float32")
+
+
 @pytest.mark.skipif(BACKEND != "jax", reason="the program of a JAX step")
 @pytest.mark.parametrize("policy", POLICIES)
 def test_the_jax_step_places_the_residuals_in_host_memory_and_back(policy):
