@@ -73,7 +73,11 @@ def keeps_dropout_masks(policy):
 #     through saved-tensor hooks that copy them to (pinned, when CUDA is
 #     there) host memory, and back when the recompute needs them; the copies
 #     are asynchronous on the current stream, which orders them with the
-#     kernels that make and use the tensors. What "save_dots" keeps and the
+#     kernels that make and use the tensors, and the copy back waits for an
+#     event recorded after the copy out (the backward may run on another
+#     stream). Copies on the compute stream do not overlap its kernels: a
+#     side stream and a prefetch of the previous unit's inputs would, and are
+#     not done (unmeasured without a GPU). What "save_dots" keeps and the
 #     packed dropout masks stay on the device.
 #   * TensorFlow: not offered (`ValueError`).
 # On a CPU host memory is the device's memory: the same code runs (PyTorch

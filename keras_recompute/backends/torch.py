@@ -112,10 +112,16 @@ def _offloaded():
         pinned = tensor.device.type == "cuda"
         host = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=pinned)
         host.copy_(tensor, non_blocking=pinned)
-        return tensor.device, host
+        copied = None
+        if pinned:  # the copy back may be made on another stream (the backward's): it waits for this one
+            copied = torch.cuda.Event()
+            copied.record(torch.cuda.current_stream(tensor.device))
+        return tensor.device, host, copied
 
     def unpack(packed):
-        device, host = packed
+        device, host, copied = packed
+        if copied is not None:
+            torch.cuda.current_stream(device).wait_event(copied)
         return host.to(device, non_blocking=host.is_pinned())
 
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
