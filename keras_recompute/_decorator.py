@@ -131,10 +131,10 @@ def recompute_grad(fn=None, *, enabled=None, check=True, policy="full", offload=
         context = _context.capture(fn, args, kwargs, name)
         if policy == _policy.ATTENTION_CORE:
             return _with_cores_recomputed(fn, args, kwargs, context, check, offload)
-        call = _dispatch(context, args, kwargs, offload)
         if offload:
-            return call(fn, args, kwargs, context, check=check, policy=policy, offload=True)
-        return call(fn, args, kwargs, context, check=check, policy=policy)
+            _check_offload_path(context, args, kwargs)
+            return _dispatch(context, args, kwargs)(fn, args, kwargs, context, check=check, policy=policy, offload=True)
+        return _dispatch(context, args, kwargs)(fn, args, kwargs, context, check=check, policy=policy)
 
     if signature is not None:
         # tf_keras reads a call's arguments with getfullargspec, which ignores
@@ -190,7 +190,14 @@ _PATHS = {
 }
 
 
-def _dispatch(context, args, kwargs, offload=False):
+def _check_offload_path(context, args, kwargs):
+    """Raises ValueError when the backend that runs this call has no offload path."""
+    backend = _backend_of(context.owner, args, kwargs)
+    if backend in _PATHS and backend not in _OFFLOAD_PATHS:
+        raise ValueError(_policy.offload_refused_message(context.name, backend))
+
+
+def _dispatch(context, args, kwargs):
     """Returns the `recompute_call` of the backend that runs this call."""
     backend = _backend_of(context.owner, args, kwargs)
     if backend not in _PATHS:
@@ -200,8 +207,6 @@ def _dispatch(context, args, kwargs, offload=False):
             f"{', '.join(sorted(_PATHS))}: set KERAS_BACKEND to one of them, or "
             "turn recompute off."
         )
-    if offload and backend not in _OFFLOAD_PATHS:
-        raise ValueError(_policy.offload_refused_message(context.name, backend))
     return importlib.import_module(_PATHS[backend]).recompute_call
 
 
