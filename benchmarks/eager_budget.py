@@ -37,23 +37,18 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def child(args):
-    method, loop, budget = args.child[0], args.child[1], int(args.child[2])
+def planned_loop_peak(model, x, labels, method, loop, budget):
+    """Plans `model` by `method` and trains it two steps in a custom loop; returns the plan and the step's BFC peak.
+
+    `method`: "none", "full", "inferred" (`budget=` with `execution` inferred) or an
+    execution ("eager", "compiled"); `loop`: "eager" or "function" (`tf.function`).
+    Also the child of `tests/test_budget.py`'s loop test.
+    """
     import keras
-    import keras_hub
-    import numpy as np
     import tensorflow as tf
 
     from keras_recompute import memory_report, recompute_model
 
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((args.seq, args.hidden))
-    hidden = inputs
-    for _ in range(args.blocks):
-        hidden = keras_hub.layers.TransformerEncoder(args.ffn, args.heads, dropout=0.1)(hidden)
-    model = keras.Model(inputs, keras.layers.Dense(2)(hidden[:, 0]))
-    x = np.random.RandomState(0).standard_normal((args.batch, args.seq, args.hidden)).astype("float32")
-    labels = np.zeros((args.batch,), "int32")
     record = {}
     if method == "full":
         recompute_model(model, enabled=True)
@@ -75,6 +70,23 @@ def child(args):
     tf.config.experimental.reset_memory_stats("CPU:0")
     step(x, labels)
     record["peak"] = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+    return record
+
+
+def child(args):
+    method, loop, budget = args.child[0], args.child[1], int(args.child[2])
+    import keras
+    import keras_hub
+    import numpy as np
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((args.seq, args.hidden))
+    hidden = inputs
+    for _ in range(args.blocks):
+        hidden = keras_hub.layers.TransformerEncoder(args.ffn, args.heads, dropout=0.1)(hidden)
+    model = keras.Model(inputs, keras.layers.Dense(2)(hidden[:, 0]))
+    x = np.random.RandomState(0).standard_normal((args.batch, args.seq, args.hidden)).astype("float32")
+    record = planned_loop_peak(model, x, np.zeros((args.batch,), "int32"), method, loop, budget)
     print(json.dumps(record))
 
 

@@ -131,10 +131,10 @@ def recompute_grad(fn=None, *, enabled=None, check=True, policy="full", offload=
         context = _context.capture(fn, args, kwargs, name)
         if policy == _policy.ATTENTION_CORE:
             return _with_cores_recomputed(fn, args, kwargs, context, check, offload)
-        if offload:
-            _check_offload_path(context, args, kwargs)
-            return _dispatch(context, args, kwargs)(fn, args, kwargs, context, check=check, policy=policy, offload=True)
-        return _dispatch(context, args, kwargs)(fn, args, kwargs, context, check=check, policy=policy)
+        call = _dispatch(context, args, kwargs)
+        if offload:  # passed only when asked: a backend without an offload path refuses it
+            return call(fn, args, kwargs, context, check=check, policy=policy, offload=True)
+        return call(fn, args, kwargs, context, check=check, policy=policy)
 
     if signature is not None:
         # tf_keras reads a call's arguments with getfullargspec, which ignores
@@ -179,22 +179,12 @@ def _kwargs_to_drop(signature):
     return tuple(key for key in _KERAS_CALL_KWARGS if key not in names)
 
 
-# The backends whose `recompute_call` takes `offload=True` (NOTE [ offload ] in `_policy`).
-_OFFLOAD_PATHS = ("jax", "torch")
-
 # The module of each backend's path; each has the same `recompute_call`.
 _PATHS = {
     "tensorflow": "keras_recompute.backends.tensorflow",
     "jax": "keras_recompute.backends.jax",
     "torch": "keras_recompute.backends.torch",
 }
-
-
-def _check_offload_path(context, args, kwargs):
-    """Raises ValueError when the backend that runs this call has no offload path."""
-    backend = _backend_of(context.owner, args, kwargs)
-    if backend in _PATHS and backend not in _OFFLOAD_PATHS:
-        raise ValueError(_policy.offload_refused_message(context.name, backend))
 
 
 def _dispatch(context, args, kwargs):

@@ -358,40 +358,17 @@ print(json.dumps({"budget": budget, "peak": peak, "predicted": report.predicted_
 
 
 _LOOP_CHILD = r"""
-import json, sys
-import numpy as np, keras, tensorflow as tf
-sys.path.insert(0, sys.argv[1])
+import json, os, sys
+import numpy as np, keras
+sys.path[:0] = [sys.argv[1], os.path.join(os.path.dirname(sys.argv[1]), "benchmarks")]
 from test_budget import blocks_model
-from keras_recompute import memory_report, recompute_model
+from eager_budget import planned_loop_peak
 
 method, loop, budget = sys.argv[2], sys.argv[3], int(sys.argv[4])
 x = np.random.RandomState(0).standard_normal((16, 128, 64)).astype("float32")
-labels = np.zeros(16, "int32")
 compiled = blocks_model(6, seq=128, width=64)
 model = keras.Model(compiled.inputs, compiled.outputs)  # not compiled: trained in a loop of one's own
-record = {}
-if method == "full":
-    recompute_model(model, enabled=True)
-elif method != "none":
-    execution = None if method == "inferred" else method
-    recompute_model(model, budget=budget, inputs=x, enabled=True, execution=execution)
-    report = memory_report(model, x)
-    record.update(plan=[row["policy"] for row in report.rows], execution=report.execution, predicted=report.predicted_peak)
-optimizer = keras.optimizers.Adam()
-optimizer.build(model.trainable_variables)
-loss_function = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-def step(x, y):
-    with tf.GradientTape() as tape:
-        loss = loss_function(y, model(x, training=True))
-    optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
-
-step = tf.function(step) if loop == "function" else step
-step(x, labels)
-tf.config.experimental.reset_memory_stats("CPU:0")
-step(x, labels)
-record["peak"] = tf.config.experimental.get_memory_info("CPU:0")["peak"]
-print(json.dumps(record))
+print(json.dumps(planned_loop_peak(model, x, np.zeros(16, "int32"), method, loop, budget)))
 """
 
 

@@ -43,7 +43,7 @@ def _is_differentiable(value):
     return isinstance(value, tf.Tensor) and value.dtype.is_floating
 
 
-def recompute_call(fn, args, kwargs, context, check=True, policy="full"):
+def recompute_call(fn, args, kwargs, context, check=True, policy="full", offload=False):
     """Calls `fn(*args, **kwargs)`, keeping only its inputs for the backward.
 
     Args:
@@ -56,10 +56,14 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full"):
         policy: `"full"`, or `"save_dots"`: the outputs of the weight
             matmuls of the Dense and EinsumDense layers in the call are kept
             (NOTE [ save_dots on TensorFlow ]).
+        offload: not offered on TensorFlow: `True` raises ValueError (NOTE
+            [ offload ] in `_policy`).
 
     Returns:
         What `fn` returns, with the same structure.
     """
+    if offload:
+        raise ValueError(_policy.offload_refused_message(context.name, "tensorflow"))
     name, owner = context.name, context.owner
     structure = (args, kwargs)
     leaves = tf.nest.flatten(structure)

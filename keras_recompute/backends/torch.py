@@ -180,14 +180,13 @@ _MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
 _MATMUL_FUNCTIONS = ("matmul", "einsum", "dot", "tensordot")
 
 
-def _save_dots(ctx, op, *args, **kwargs):
-    del ctx, kwargs
-    keep = op in _MATMULS or (op is torch.ops.aten.bmm.default and args[0].shape[0] == 1)
-    return torch_checkpoint.CheckpointPolicy.MUST_SAVE if keep else torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+def _kept_by_save_dots(op, args):
+    """Whether "save_dots" keeps the output of ATen `op` on `args`: a matmul without a batch dimension."""
+    return op in _MATMULS or (op is torch.ops.aten.bmm.default and args[0].shape[0] == 1)
 
 
 class _KeepingDots(TorchDispatchMode):
-    """The forward's mode: runs each op, and appends the outputs `_save_dots` marks to `cache` (detached)."""
+    """The forward's mode: runs each op, and appends a copy of each output `_kept_by_save_dots` marks to `cache`."""
 
     def __init__(self, cache):
         super().__init__()
@@ -195,7 +194,7 @@ class _KeepingDots(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if _save_dots(None, func, *args) == torch_checkpoint.CheckpointPolicy.MUST_SAVE:
+        if _kept_by_save_dots(func, args):
             self.cache.append(out.detach().clone())  # a copy: the call may write to `out` in place after
         return out
 
@@ -209,7 +208,7 @@ class _KeptDots(TorchDispatchMode):
         self.position = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if _save_dots(None, func, *args) != torch_checkpoint.CheckpointPolicy.MUST_SAVE:
+        if not _kept_by_save_dots(func, args):
             return func(*args, **(kwargs or {}))
         if self.position >= len(self.cache) or self.cache[self.position] is None:
             raise RecomputeError(
@@ -277,7 +276,7 @@ def _in_matmul_modes(original):
 def _batched(name, args):
     """Whether a call of Keras's matmul function `name` is a matmul over a batch dimension (kept by no policy).
 
-    As `_save_dots`, but before the call, from its arguments: an einsum whose
+    As `_kept_by_save_dots`, but before the call, from its arguments: an einsum whose
     two operands share an index that its output keeps (attention's scores
     and weighted sum), a `matmul` of two operands of 3 or more dimensions. A
     batched matmul is not entered in the modes: they would only cost host
@@ -515,11 +514,10 @@ def _dropout_replayable():
 # torch's checkpoint saves the call's inputs under them (the recomputed
 # internals go to its own hooks, nested inside ours). Counted once per storage,
 # without the weights and the call's inputs (held anyway), they are what the
-# unit keeps. Under `"save_dots"` the selective checkpoint also keeps the
-# outputs of the matmuls its policy marks, in a cache the hooks do not see: a
-# dispatch mode adds them up with the same test (`_save_dots`), entered where
-# the checkpoint's are (around Keras's matmul functions); and the
-# policies keep packed dropout masks (NOTE [ dropout masks under the
+# unit keeps. Under `"save_dots"` the unit also keeps copies of its weight
+# matmuls' outputs, in a cache the hooks do not see: the forward's own mode
+# (`_KeepingDots`, entered as the call enters it) fills one, whose bytes are
+# added; and the policies keep packed dropout masks (NOTE [ dropout masks under the
 # policies ]), which `_dropout` reports. Its forward and backward is what
 # `_memory` times.
 
@@ -564,16 +562,17 @@ def measure_unit(layer, args, kwargs, policy, timed=True, execution="compiled"):
                 kept[storage.data_ptr()] = storage.nbytes()
             return tensor
 
-        dots = _InMatmuls(_DotBytes()) if measure and policy == _policy.SAVE_DOTS else contextlib.nullcontext()
+        dots = []  # what "save_dots" keeps of the matmuls, kept as the policy keeps it
+        keeping = _InMatmuls(_KeepingDots(dots)) if measure and policy == _policy.SAVE_DOTS else contextlib.nullcontext()
         masks = []  # the dropout masks a policy keeps (NOTE [ dropout masks under the policies ])
         _MEASURING.append(masks)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), dots:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), keeping:
                 outputs = layer(*call_args, **call_kwargs)
         finally:
             _MEASURING.remove(masks)
         if measure:  # no backward: what the forward keeps is known, and is freed with `outputs`
-            sizes = list(kept.values()) + (dots.mode.sizes if policy == _policy.SAVE_DOTS else []) + masks
+            sizes = list(kept.values()) + [t.untyped_storage().nbytes() for t in dots] + masks
             return sum(sizes), max(sizes, default=0)
         float_outputs = [o for o in keras.tree.flatten(outputs) if isinstance(o, torch.Tensor) and o.requires_grad]
         loss = sum(o.float().sum() for o in float_outputs)
@@ -584,16 +583,3 @@ def measure_unit(layer, args, kwargs, policy, timed=True, execution="compiled"):
     kept, largest = run(measure=True)
     return kept, largest, (lambda: run(measure=False)) if timed else None
 
-
-class _DotBytes(TorchDispatchMode):
-    """Adds up the bytes of the outputs `_save_dots` marks to keep."""
-
-    def __init__(self):
-        super().__init__()
-        self.sizes = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if _save_dots(None, func, *args) == torch_checkpoint.CheckpointPolicy.MUST_SAVE:
-            self.sizes.append(out.untyped_storage().nbytes() if isinstance(out, torch.Tensor) else 0)
-        return out
