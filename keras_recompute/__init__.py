@@ -2,7 +2,7 @@
 
 `recompute_grad` decorates a layer's `call` (or one instance's);
 `recompute_model` recomputes the blocks of an existing model without editing
-it. `import keras_recompute` imports no framework: each backend path is
+it; `verify` checks on a model that recompute trains it as without. `import keras_recompute` imports no framework: each backend path is
 imported when a decorated call first runs with recompute on.
 """
 
@@ -10,6 +10,7 @@ from keras_recompute._config import is_enabled, recompute_scope
 from keras_recompute._decorator import recompute_grad
 from keras_recompute._errors import RecomputeError
 from keras_recompute._model import memory_report, recompute_model
+from keras_recompute._verify import VerifyReport, verify
 
 __version__ = "0.1.0"
 
@@ -20,5 +21,7 @@ __all__ = [
     "recompute_grad",
     "recompute_model",
     "recompute_scope",
+    "verify",
+    "VerifyReport",
     "__version__",
 ]

@@ -167,7 +167,10 @@ def recompute_model(
     for unit, unit_policy in zip(units, policies):
         if unit_policy != _budget.NONE:
             plan.add(
-                functools.partial(_patch_call, unit, enabled, unit_policy, offload), _memory.unit_name(unit), unit_policy
+                functools.partial(_patch_call, unit, enabled, unit_policy, offload),
+                _memory.unit_name(unit),
+                unit_policy,
+                unit,
             )
     plan.add(functools.partial(getattr(framework, "rebuild_graph_outputs", lambda model: None), model))
     object.__setattr__(model, _PLAN, plan)
@@ -246,6 +249,12 @@ def recomputed_units(model):
     return list(plan.names) if plan is not None else []
 
 
+def recomputed_unit_layers(model):
+    """`(name, layer)` of each unit `recompute_model` chose for `model` (a graph piece's holder layer for a piece)."""
+    plan = model.__dict__.get(_PLAN)
+    return list(zip(plan.names, plan.layers)) if plan is not None else []
+
+
 class _Plan:
     """What `recompute_model` did to one model, and how to undo and redo it.
 
@@ -259,16 +268,18 @@ class _Plan:
         self.offload = offload
         self.names = ()
         self.policies = ()
+        self.layers = ()
         self.enabled = enabled
         self.pieces = pieces
         self.execution = execution  # what a budget's plan was made for (None: no budget, or inferred)
 
-    def add(self, do, name=None, policy=None):
-        """Does `do()` now; `name` and `policy` when it makes a unit recompute."""
+    def add(self, do, name=None, policy=None, layer=None):
+        """Does `do()` now; `name`, `policy` and its `layer` when it makes a unit recompute."""
         self._steps.append((do, do()))
         if name is not None:
             self.names += (name,)
             self.policies += (policy,)
+            self.layers += (layer,)
 
     def applied(self):
         """`{unit name: policy}` for the units that recompute as the model runs now."""

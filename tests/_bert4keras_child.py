@@ -14,10 +14,17 @@ recomputed, from the same weights and random state. Prints a JSON line: the
 losses of both runs and, per step, how many of the gradients differ by more
 than 1e-4 (relative to the largest value) and the largest such difference.
 
+`function` also reports how many ops a traced training step has with the
+patched calls plain and recomputed (the recompute adds its forward again).
+
 `graph`: a TF1-style graph (`tf.compat.v1.disable_eager_execution()`), where
 dropout follows the learning-phase placeholder inside `tf.cond`: three
 `train_on_batch` steps with recompute on; the recompute check (on by default)
-raises if a recomputed output differs from its forward's. Prints the losses.
+raises if a recomputed output differs from its forward's. Then, without
+dropout (its unseeded masks differ between two models), a plain model and a
+recomputed one from the same weights take one SGD step at lr 1.0: their
+updates, and the ops each training function added to the graph. Prints the
+losses, the updates' normwise error and the op counts.
 """
 
 import json
@@ -106,7 +113,23 @@ if mode == "graph":
     rng = np.random.RandomState(0)
     token_ids, segment_ids, labels = (rng.randint(0, n, size=(4, 16)) for n in (100, 2, 100))
     losses = [float(model.train_on_batch([token_ids, segment_ids], labels)) for _ in range(3)]
-    print(json.dumps({"losses": losses}))
+    updates, ops = {}, {}
+    for recompute in (False, True):
+        tf_keras.utils.set_random_seed(0)
+        with recompute_scope(recompute):
+            twin = build_transformer_model(
+                with_mlm=True, **dict(CONFIG, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+            )
+            if recompute:
+                twin.set_weights(initial)
+            initial = twin.get_weights()
+            twin.compile(optimizer=tf_keras.optimizers.legacy.SGD(1.0), loss="sparse_categorical_crossentropy")
+            before = len(tf.compat.v1.get_default_graph().get_operations())
+            twin.train_on_batch([token_ids, segment_ids], labels)  # builds the training function
+            ops[recompute] = len(tf.compat.v1.get_default_graph().get_operations()) - before
+        updates[recompute] = [w - w0 for w, w0 in zip(twin.get_weights(), initial)]
+    error = max(normwise_errors(updates[True], updates[False]))
+    print(json.dumps({"losses": losses, "update_error": error, "ops": [ops[False], ops[True]]}))
     sys.exit(0)
 model = build_transformer_model(with_mlm=True, **CONFIG)
 initial = model.get_weights()
@@ -166,8 +189,22 @@ elif method in ("model", "model_over_theirs"):
 else:
     set_calls(ours if method == "ours" else theirs)
 actual = train(True)
+ops = []
+if mode == "function":
 
-report = {"losses": [loss for loss, _ in actual], "plain_losses": [loss for loss, _ in expected], "steps": [], "units": units, "warned": warned, "policies": policies}
+    @tf.function
+    def traced_step():
+        with tf.GradientTape() as tape:
+            probabilities = model([token_ids, segment_ids], training=True)
+            loss = tf.reduce_mean(tf_keras.losses.sparse_categorical_crossentropy(labels, probabilities))
+        return tape.gradient(loss, model.trainable_weights)
+
+    for recompute in (False, True):
+        with recompute_scope(recompute):
+            ops.append(len(traced_step.get_concrete_function().graph.get_operations()))
+        traced_step = tf.function(traced_step.python_function)
+
+report = {"losses": [loss for loss, _ in actual], "plain_losses": [loss for loss, _ in expected], "steps": [], "units": units, "warned": warned, "policies": policies, "ops": ops}
 for (_, grads), (_, plain_grads) in zip(actual, expected):
     errors = normwise_errors(grads, plain_grads)
     report["steps"].append({"differ": sum(error > RTOL for error in errors), "count": len(errors), "max": max(errors)})

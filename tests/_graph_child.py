@@ -6,6 +6,7 @@ case runs here, in a fresh one, and prints one JSON line.
 Usage: python _graph_child.py CASE
 """
 
+import collections
 import json
 import os
 import sys
@@ -270,12 +271,99 @@ def case_policy():
         # Every twin rebuilds its outputs (see case_model); "none" with the switch off.
         with recompute_scope(policy != "none"):
             recompute_model(model, policy="full" if policy == "none" else policy)
-        model.compile(optimizer=K.optimizers.legacy.SGD(1e-3), loss="mse")
+        # The session's trace of the last step says which ops ran: a recompute runs its ops a second time.
+        run_metadata = tf.compat.v1.RunMetadata()
+        model.compile(optimizer=K.optimizers.legacy.SGD(1e-3), loss="mse", run_metadata=run_metadata,
+                      options=tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE))
         losses = [float(model.train_on_batch(x, y))]
         tf.config.experimental.reset_memory_stats("CPU:0")
         losses += [float(model.train_on_batch(x, y)) for _ in range(2)]
-        report[policy] = {"losses": losses, "peak": tf.config.experimental.get_memory_info("CPU:0")["peak"]}
+        graph = tf.compat.v1.get_default_graph()
+        ran = collections.Counter(
+            graph.get_operation_by_name(node.node_name).type
+            for device in run_metadata.step_stats.dev_stats
+            for node in device.node_stats
+            if node.node_name not in ("_SOURCE", "_SINK") and _op_named(graph, node.node_name)
+        )
+        ops = {kind: ran[kind] for kind in ("Softmax", "Einsum", "MatMul")}
+        report[policy] = {"losses": losses, "peak": tf.config.experimental.get_memory_info("CPU:0")["peak"], "ran": ops}
     return report
+
+
+def case_updates():
+    """Each policy's first updates at lr 1.0 and 1e-3, repeated (NOTE [ comparing updates, not losses ])."""
+    from _updates import RATES, TRIALS, attention_model, data, repeated_updates, worst
+
+    from keras_recompute import recompute_model
+
+    if os.environ.get("READ_AGAIN"):  # the mutation test: save_dots' gradient reads its weights again
+        from keras_recompute.backends import tensorflow as tensorflow_path
+
+        def kept_matmul(kept, inputs, linear, variables):  # as before issue 38
+            @tf.custom_gradient
+            def kept_op(kept, inputs, *reads):
+                def grad(upstream):
+                    with tf.GradientTape(watch_accessed_variables=False) as tape:
+                        tape.watch(inputs)
+                        tape.watch(variables)
+                        value = linear(inputs)
+                    return [None] + tape.gradient(value, [inputs] + variables, output_gradients=upstream)
+
+                return tf.identity(kept), grad
+
+            return kept_op(kept, inputs, *[tf.identity(v) for v in variables])
+
+        tensorflow_path._kept_matmul = kept_matmul
+    x, y = data()
+    report = {}
+    for policy in ("none", "full", "save_dots", "attention_core"):
+        model = attention_model(K)
+        if policy != "none":
+            recompute_model(model, policy=policy, enabled=True)
+        model.compile(optimizer=K.optimizers.legacy.SGD(RATES[0]), loss="mse")
+        for rate in RATES:
+            K.backend.set_value(model.optimizer.lr, rate)
+            trials = 1 if policy == "none" else TRIALS // 4  # a TF1 graph has no order: every trial was off
+            initial, updates = repeated_updates(model, lambda: model.train_on_batch(x, y), trials)
+            if policy == "none":
+                report.setdefault("none", {})[rate] = (initial, updates[0])
+                continue
+            reference_initial, reference = report["none"][rate]
+            assert all(np.array_equal(a, b) for a, b in zip(initial, reference_initial))
+            report.setdefault(policy, {})[str(rate)] = worst(updates, reference, initial)
+    del report["none"]
+    return report
+
+
+def case_batch_norm():
+    """`recompute_model` on a built model with BatchNormalization: its statistics move as plain's; new tensors."""
+    from _updates import attention_model, data, repeated_updates
+
+    from keras_recompute import recompute_model
+
+    x, y = data()
+    moved = {}
+    for policy in ("none", "full", "save_dots", "attention_core"):
+        model = attention_model(K, batch_norm=True)
+        if policy != "none":
+            recompute_model(model, policy=policy, enabled=True)
+        model.compile(optimizer=K.optimizers.legacy.SGD(1e-3), loss="mse")
+        names = [w.name for w in model.weights]
+        _, (update,) = repeated_updates(model, lambda: model.train_on_batch(x, y), 1)
+        moved[policy] = [np.abs(u).sum() for name, u in zip(names, update) if "moving" in name]
+        output = model(tf.constant(x), training=True)  # the model takes a new tensor
+        assert output.shape[1:] == (16, 1)
+    plain = np.array(moved.pop("none"))
+    assert plain.size == 2 and plain.min() > 0
+    return {policy: (np.array(statistics) / plain).tolist() for policy, statistics in moved.items()}
+
+
+def _op_named(graph, name):
+    try:
+        graph.get_operation_by_name(name)
+        return True
+    except KeyError:
+        return False
 
 
 def case_memory():

@@ -71,6 +71,16 @@ def loss_and_gradients(layer, inputs, mode="eager", call=None):
 def _tensorflow(layer, inputs, floats, mode, call):
     import tensorflow as tf
 
+    step = _tensorflow_step(layer, floats, call)
+    if mode != "eager":
+        step = tf.function(step, jit_compile=(mode == "jit"))
+    outputs, grads = step([tf.convert_to_tensor(x) for x in inputs])
+    return keras.tree.map_structure(_numpy, outputs), [_numpy(g) for g in grads]
+
+
+def _tensorflow_step(layer, floats, call):
+    import tensorflow as tf
+
     def step(xs):
         with tf.GradientTape() as tape:
             watched = [xs[i] for i in floats]
@@ -79,10 +89,7 @@ def _tensorflow(layer, inputs, floats, mode, call):
             loss = _loss(outputs)
         return outputs, tape.gradient(loss, watched + list(layer.trainable_variables))
 
-    if mode != "eager":
-        step = tf.function(step, jit_compile=(mode == "jit"))
-    outputs, grads = step([tf.convert_to_tensor(x) for x in inputs])
-    return keras.tree.map_structure(_numpy, outputs), [_numpy(g) for g in grads]
+    return step
 
 
 def _jax_step(layer, inputs, floats, call):
@@ -123,6 +130,49 @@ def step_program(layer, inputs, call):
     return str(jax.make_jaxpr(grad_fn)(*arguments))
 
 
+def step_op_count(layer, inputs, call=None):
+    """How many operations one training step of `layer` runs: what a recompute adds to.
+
+    TensorFlow: the ops of the step traced by `tf.function` (the recompute is
+    built into the gradient). JAX: the equations of the step's program.
+    PyTorch: the ATen ops dispatched in the forward and the backward. With
+    recompute on, the recomputed ops are there a second time, in the backward;
+    a decorator that did nothing leaves the count as it is.
+    """
+    call = call or (lambda layer, xs: layer(*xs, training=True))
+    floats = [i for i, x in enumerate(inputs) if np.issubdtype(np.asarray(x).dtype, np.floating)]
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        step = tf.function(_tensorflow_step(layer, floats, call))
+        graph = step.get_concrete_function([tf.convert_to_tensor(x) for x in inputs]).graph
+        return len(graph.get_operations())
+    if BACKEND == "jax":
+        return step_program(layer, inputs, call).count(" = ")
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counting(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Counting.count += 1
+            return func(*args, **(kwargs or {}))
+
+    with Counting():
+        _torch(layer, inputs, floats, "eager", call)
+    return Counting.count
+
+
+def assert_recomputes(layer, inputs, call=None):
+    """Asserts that a step of `layer` with recompute on runs more operations than with it off."""
+    with recompute_scope(False):
+        plain = step_op_count(layer, inputs, call)
+    with recompute_scope(True):
+        recomputed = step_op_count(layer, inputs, call)
+    assert recomputed > plain, f"{layer.name}: {recomputed} ops with recompute on, {plain} off: nothing was recomputed"
+    return plain, recomputed
+
+
 def _jax(layer, inputs, floats, mode, call):
     import jax
 
@@ -149,6 +199,18 @@ def _torch(layer, inputs, floats, mode, call):
     _loss(outputs).backward()
     grads = [xs[i].grad for i in floats] + [v.value.grad for v in layer.trainable_variables]
     return keras.tree.map_structure(_numpy, outputs), [_numpy(g) for g in grads]
+
+
+def assert_trained_alike(model, plain_model, initial, rtol=1e-4):
+    """Asserts two models moved their weights alike from `initial` (the moves, normwise: `_compare`).
+
+    For `fit` twins, trained with SGD: Adam divides each update by the
+    gradient's own size, so a gradient doubled everywhere moved its weights
+    the same, and such a twin passed.
+    """
+    weights = [np.asarray(ops.convert_to_numpy(w), np.float64) for w in model.weights]
+    plain = [np.asarray(ops.convert_to_numpy(w), np.float64) for w in plain_model.weights]
+    assert_close([w - w0 for w, w0 in zip(weights, initial)], [p - w0 for p, w0 in zip(plain, initial)], rtol, "weight moves")
 
 
 def assert_close(actual, expected, rtol=RTOL, what="value"):

@@ -92,6 +92,21 @@ def compare_with_twin(plain, recomputed, inputs, mode, call=None, rtol=RTOL, wei
     return actual, expected
 
 
+def step_op_count(call, inputs, weights):
+    """The ops of one training step of `call` (loss and gradients), traced by `tf.function`."""
+    step = tf.function(lambda x: loss_and_gradients(call, x, weights), autograph=False)
+    return len(step.get_concrete_function(inputs).graph.get_operations())
+
+
+def assert_recomputes(call, inputs, weights):
+    """Asserts that a step with recompute on has more ops than with it off: the recompute is in its backward."""
+    with recompute_scope(False):
+        plain = step_op_count(call, inputs, weights)
+    with recompute_scope(True):
+        recomputed = step_op_count(call, inputs, weights)
+    assert recomputed > plain, f"{recomputed} ops with recompute on, {plain} off: nothing was recomputed"
+
+
 def copy_weights(source, target):
     target.set_weights(source.get_weights())
 

@@ -36,6 +36,7 @@ _TENSORFLOW_RUN_ONLY = [
     "test_semantics.py",
     "test_tensorflow.py",
     "test_tf_graph.py",
+    "test_updates_tensorflow.py",
 ]
 collect_ignore = [] if os.environ["KERAS_BACKEND"] == "tensorflow" else _TENSORFLOW_RUN_ONLY
 

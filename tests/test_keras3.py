@@ -12,10 +12,16 @@ import numpy as np
 import pytest
 from keras import layers, ops
 
-from _keras3_twins import BACKEND, MODES, assert_close, build_twins, compare_with_twin, loss_and_gradients
+from _keras3_twins import BACKEND, MODES, assert_close, assert_trained_alike, build_twins, compare_with_twin, loss_and_gradients
 from keras_recompute import recompute_grad, recompute_scope
 
 RNG = np.random.RandomState(0)
+
+
+@pytest.fixture(autouse=True)
+def _same_data_whatever_ran_before():
+    """Each test draws its data from the start of the stream: a file run alone, or shuffled, gives the same."""
+    RNG.seed(0)
 
 
 def normal(*shape):
@@ -249,7 +255,7 @@ def functional_bert(recompute, layers_count=2, vocab=100, length=16, hidden=32):
         hidden_states = (block_class if recompute else TransformerBlock)(hidden)(hidden_states)
     logits = layers.Dense(vocab)(hidden_states)
     model = keras.Model(ids, logits)
-    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.compile(optimizer=keras.optimizers.SGD(0.5), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return model
 
 
@@ -259,13 +265,14 @@ def test_functional_bert_fit_matches_plain():
     results = []
     for recompute in (False, True):
         model = functional_bert(recompute)
+        initial = [np.asarray(ops.convert_to_numpy(w), np.float64) for w in model.weights]
         keras.utils.set_random_seed(2)
         with recompute_scope(recompute):
             history = model.fit(data, data, batch_size=8, epochs=2, shuffle=False, verbose=0)
-        results.append((history.history["loss"], [np.asarray(ops.convert_to_numpy(w)) for w in model.weights]))
-    (plain_losses, plain_weights), (losses, weights) = results
+        results.append((history.history["loss"], model))
+    (plain_losses, plain_model), (losses, model) = results
     np.testing.assert_allclose(losses, plain_losses, rtol=1e-5)
-    assert_close(weights, plain_weights, rtol=1e-4, what="weights after fit")
+    assert_trained_alike(model, plain_model, initial)
 
 
 def test_forward_runs_again_in_the_backward():

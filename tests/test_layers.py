@@ -10,11 +10,17 @@ import numpy as np
 import pytest
 from keras import ops
 
-from _keras3_twins import MODES, assert_close, compare_on_and_off, loss_and_gradients
+from _keras3_twins import MODES, assert_close, assert_recomputes, compare_on_and_off, loss_and_gradients
 from keras_recompute import layers as recompute_layers
 from keras_recompute import recompute_scope
 
 RNG = np.random.RandomState(0)
+
+
+@pytest.fixture(autouse=True)
+def _same_data_whatever_ran_before():
+    """Each test draws its data from the start of the stream: a file run alone, or shuffled, gives the same."""
+    RNG.seed(0)
 
 
 def normal(*shape):
@@ -50,6 +56,8 @@ def test_dense_and_attention_match_the_stock_layers(mode):
             actual = loss_and_gradients(ours, [x], mode, call)
         assert_close(actual[0], expected[0], what=f"{type(ours).__name__} outputs")
         assert_close(actual[1], expected[1], what=f"{type(ours).__name__} gradients")
+        if mode == MODES[0]:  # equal numbers prove nothing if the decorator did nothing
+            assert_recomputes(ours, [x], call)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -64,6 +72,9 @@ def test_feed_forward_and_transformer_block_on_and_off(mode):
     assert [w.name for w in feed_forward.weights][:1] == ["kernel"]
     compare_on_and_off(feed_forward, [x], mode, lambda layer, xs: layer(xs[0], training=True))
     compare_on_and_off(block, [x, padding], mode, lambda layer, xs: layer(xs[0], padding_mask=xs[1], training=True))
+    if mode == MODES[0]:
+        assert_recomputes(feed_forward, [x], lambda layer, xs: layer(xs[0], training=True))
+        assert_recomputes(block, [x, padding], lambda layer, xs: layer(xs[0], padding_mask=xs[1], training=True))
 
 
 def test_save_and_load_without_custom_objects(tmp_path):
@@ -111,6 +122,7 @@ def test_decorated_transformer_encoder_subclass():
     with recompute_scope(False):
         layer(x)
     compare_on_and_off(layer, [x], MODES[-1], lambda layer, xs: layer(xs[0], training=True))
+    assert_recomputes(layer, [x], lambda layer, xs: layer(xs[0], training=True))
 
 
 def test_bert_backbone_from_config(keras_hub_enabled):
@@ -133,3 +145,4 @@ def test_bert_backbone_from_config(keras_hub_enabled):
 
     assert all(getattr(type(layer).call, "_keras_recompute_keras_hub", False) for layer in backbone.transformer_layers)
     compare_on_and_off(backbone, [ids, segments, padding], MODES[-1], call)
+    assert_recomputes(backbone, [ids, segments, padding], call)  # an enable() that did nothing fails here

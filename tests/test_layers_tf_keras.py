@@ -7,7 +7,7 @@ import pytest
 tf = pytest.importorskip("tensorflow")  # absent on a JAX or PyTorch GPU machine: the file skips
 tf_keras = pytest.importorskip("tf_keras")
 
-from _twins import MODES, assert_close, compare_with_twin, loss_and_gradients, compile_mode
+from _twins import MODES, assert_close, assert_recomputes, compare_with_twin, loss_and_gradients, compile_mode
 from keras_recompute import layers as recompute_layers
 from keras_recompute import recompute_scope
 
@@ -41,6 +41,8 @@ def test_dense_and_attention_match_the_stock_layers(mode):
             call(ours, x)
         ours.set_weights(stock.get_weights())
         compare_with_twin(stock, ours, x, mode, call=call)
+        if mode == MODES[0]:  # equal numbers prove nothing if the decorator did nothing
+            assert_recomputes(lambda z: call(ours, z), x, ours.trainable_weights)
 
 
 @pytest.mark.parametrize("mode", ["eager", "function"])
@@ -64,6 +66,8 @@ def test_feed_forward_and_transformer_block_on_and_off(mode):
                 results.append(run(x))
         assert_close(results[1][0], results[0][0], what=f"{type(layer).__name__} outputs")
         assert_close(results[1][1], results[0][1], what=f"{type(layer).__name__} gradients")
+        if mode == "eager":
+            assert_recomputes(lambda z: call(layer, z), x, layer.trainable_weights)
 
 
 @pytest.mark.parametrize("suffix", [".keras", ".h5"])

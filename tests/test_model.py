@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from keras import layers
 
-from _keras3_twins import BACKEND, FAST_MODE, MODES, compare_on_and_off, step_program
+from _keras3_twins import BACKEND, FAST_MODE, MODES, assert_trained_alike, compare_on_and_off, step_program
 from keras_recompute import _model, recompute_model, recompute_scope
 
 X = np.random.RandomState(0).standard_normal((8, 16)).astype("float32")
@@ -240,7 +240,7 @@ def test_segments_carry_a_mask_and_a_frozen_layer_through_fit():
             up = layers.Dense(16, activation="gelu", trainable=i != 1)
             hidden = layers.Add()([hidden, layers.Dense(16)(layers.Dropout(0.1, seed=2)(up(hidden)))])
         model = keras.Model(ids, layers.Dense(2)(layers.GlobalAveragePooling1D()(hidden)))
-        model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.compile(optimizer=keras.optimizers.SGD(0.5), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         recompute_model(model, segments=3)
         return model
 
@@ -248,14 +248,16 @@ def test_segments_carry_a_mask_and_a_frozen_layer_through_fit():
     ids = rng.randint(1, 50, size=(8, 12)).astype("int32")
     ids[:, 9:] = 0
     labels = rng.randint(0, 2, size=(8,)).astype("int32")
-    losses = {}
+    losses, models = {}, {}
     for on in (False, True):
-        model = build()
+        model = models[on] = build()
+        initial = [np.asarray(keras.ops.convert_to_numpy(w), np.float64) for w in model.weights]
         keras.utils.set_random_seed(3)
         with recompute_scope(on):
             losses[on] = model.fit(ids, labels, epochs=3, batch_size=8, verbose=0).history["loss"]
     assert len(_model.recomputed_units(model)) == 3
     np.testing.assert_allclose(losses[True], losses[False], rtol=1e-5)
+    assert_trained_alike(models[True], models[False], initial)
 
 
 def test_segments_of_a_sequential_model():
@@ -321,12 +323,13 @@ def test_fit_save_and_load(tmp_path):
             hidden = layers.MultiHeadAttention(2, 8, name=f"attention_{i}")(hidden, hidden)
             hidden = layers.Dense(16, activation="gelu", name=f"dense_{i}")(hidden)
         model = keras.Model(inputs, layers.Dense(3)(layers.GlobalAveragePooling1D()(hidden)))
-        model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.compile(optimizer=keras.optimizers.SGD(0.5), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         return model
 
-    losses = {}
+    losses, models = {}, {}
     for on in (False, True):
-        model = model_for()
+        model = models[on] = model_for()
+        initial = [np.asarray(keras.ops.convert_to_numpy(w), np.float64) for w in model.weights]
         config = model.get_config()
         if on:
             recompute_model(model)
@@ -335,6 +338,7 @@ def test_fit_save_and_load(tmp_path):
             losses[on] = model.fit(ids, labels, epochs=3, batch_size=8, shuffle=False, verbose=0).history["loss"]
     assert _model.recomputed_units(model) == ["attention_0 .. dense_0", "attention_1 .. dense_1"]
     np.testing.assert_allclose(losses[True], losses[False], rtol=1e-5)
+    assert_trained_alike(models[True], models[False], initial)
     path = os.path.join(tmp_path, "model.keras")
     model.save(path)
     loaded = keras.models.load_model(path)

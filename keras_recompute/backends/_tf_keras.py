@@ -45,6 +45,7 @@ import threading
 
 import tensorflow as tf
 
+from keras_recompute import _context
 from keras_recompute._errors import RecomputeError
 
 _local = threading.local()
@@ -595,13 +596,46 @@ def rebuild_graph_outputs(model):
     running the graph (with recompute on, as the switch is read when a graph
     is built), and put back by the returned function. Elsewhere nothing
     needs doing, and None is returned.
+
+    NOTE [ rebuilding a model's outputs in a TF1-style graph ]
+    Running the graph again calls every layer again, and a v1 layer registers
+    its state updates (`BatchNormalization`'s moving statistics) in
+    `_updates` at each call; the training function runs every update that
+    depends on the model's inputs, so the old call's and the new one's would
+    both run, moving each statistic twice a step (and the old updates would
+    run the old forward too). The old call's updates that depend on the
+    model's inputs are taken off while the plan holds; those of other inputs
+    (a layer shared with another model) stay. And Keras runs the model's
+    graph for a new call (`model(tensor)`) by looking its output tensors up
+    by identity among the nodes' outputs, which the rebuilt ones are not:
+    that run sees the model's own outputs.
     """
     if not _in_tf1_graph(model):
         return None
+    from tf_keras.src.utils import tf_utils
+
     original = model.outputs
-    model.outputs = tf.nest.flatten(model._run_internal_graph(model.inputs))
+    lists = update_lists(model)
+    before = [list(updates) for updates in lists]
+    rebuilt = tf.nest.flatten(model._run_internal_graph(model.inputs))
+    conditional = [u for updates in before for u in updates if not getattr(u, "_unconditional_update", False)]
+    reachable = tf_utils.get_reachable_from_inputs(tf.nest.flatten(model.inputs), conditional)
+    old = {id(u) for u in conditional if u in reachable}
+    for updates, previous in zip(lists, before):
+        updates[:] = [u for u in previous if id(u) not in old] + updates[len(previous) :]
+    model.outputs = rebuilt
+    run_internal_graph = type(model)._run_internal_graph
+
+    def run_with_own_outputs(*args, **kwargs):
+        with _context.instance_attribute(model, "outputs", original):
+            return run_internal_graph(model, *args, **kwargs)
+
+    object.__setattr__(model, "_run_internal_graph", run_with_own_outputs)
 
     def undo():
+        model.__dict__.pop("_run_internal_graph", None)
         model.outputs = original
+        for updates, previous in zip(lists, before):
+            updates[:] = previous
 
     return undo

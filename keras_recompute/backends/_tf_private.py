@@ -1,9 +1,15 @@
 """Private TensorFlow APIs: the one place that touches them.
 
-Tested on TensorFlow 2.21 (tensorflow-cpu wheel). Each name below has had the
-same meaning since TensorFlow 2.4; an older or a future TensorFlow that lacks
-one gets an error that names it instead of a wrong gradient.
+Tested on TensorFlow 2.21 (tensorflow-cpu wheel). What is used:
+`tensorflow.python.eager.record` (`stop_recording`, `record_operation`), and
+`resource_variable_ops` (`variable_accessed`, and `BaseResourceVariable`'s
+`_read_variable_op`, `sparse_read` and `gather_nd`, hooked: NOTE [ hooking
+variable reads ]). A TensorFlow that lacks one gets an error that names it
+instead of a wrong gradient.
 """
+
+import contextlib
+import threading
 
 import tensorflow as tf
 
@@ -30,12 +36,118 @@ if TF_VERSION < _MINIMUM:
     )
 
 try:
-    from tensorflow.python.eager.record import stop_recording
-except ImportError as error:  # pragma: no cover - depends on the TF build
+    from tensorflow.python.eager import record
+    from tensorflow.python.ops import resource_variable_ops
+
+    stop_recording = record.stop_recording
+    _BASE = resource_variable_ops.BaseResourceVariable
+    _READS = (_BASE._read_variable_op, _BASE.sparse_read, _BASE.gather_nd, resource_variable_ops.variable_accessed)
+    _RECORD_OPERATION = record.record_operation
+except (ImportError, AttributeError) as error:  # pragma: no cover - depends on the TF build
     raise RecomputeError(
-        f"keras_recompute: TensorFlow {tf.__version__} lacks "
-        "tensorflow.python.eager.record.stop_recording, which the TF path "
-        f"uses (tested on {TESTED_VERSIONS}). Please report this version."
+        f"keras_recompute: TensorFlow {tf.__version__} lacks {error}, which the TF path uses (tested on "
+        f"{TESTED_VERSIONS}). Please report this version."
     ) from error
 
-__all__ = ["TF_VERSION", "TESTED_VERSIONS", "stop_recording"]
+
+# NOTE [ hooking variable reads ]
+# A recomputed call must read the values its forward read (NOTE [ a recompute
+# reads what its forward read ] in `backends/tensorflow.py`), so while one
+# runs, the reads of resource variables go through a reader of ours. Every
+# dense read of a `BaseResourceVariable` (Keras 3's variables hold one; tf_keras
+# variables and their `AutoCastVariable` and distributed wrappers read through
+# one) ends in its `_read_variable_op` (`value()`, `read_value()`, tensor
+# conversion); `sparse_read` and `gather_nd` read rows with their own ops, and
+# while a reader is active they gather from a dense read instead (the same
+# values; the ReadVariableOp aliases the variable's buffer, no copy). The hook
+# is put on the class once, at the first recomputed call, and outside a
+# recomputed call it costs one thread-local lookup. Readers nest: each one's
+# `read` reads through the readers below it (an inner recomputed call inside
+# an outer one's recompute records what the outer one hands out). A value a
+# reader hands out is, to the tapes, a read of the variable: the hook records
+# it as a `ReadVariableOp` of the variable's handle, as `_read_variable_op`
+# records its own reads in a graph, and tells the variable watchers it was
+# accessed. So a tape that watches the variable differentiates through it
+# (the recompute's; an outer tape taking a second-order gradient), and a
+# custom gradient around it (a recomputed call nested in another's
+# recompute) asks for the variable's gradient. Reads by the C++ fast path of
+# eager ops do not pass through `_read_variable_op` and are not seen: eager
+# execution runs ops in the order they are called and needs no reader.
+_readers = threading.local()
+_hooked = []
+_hooking = threading.Lock()
+
+
+def _reader_stack():
+    stack = getattr(_readers, "stack", None)
+    if stack is None:
+        stack = _readers.stack = []
+    return stack
+
+
+@contextlib.contextmanager
+def variable_reads(reader):
+    """Within it, in this thread, each resource variable read returns `reader(variable, read)`.
+
+    Args:
+        reader: a function of the `tf.Variable` read and of `read`, a function
+            of no argument that reads it (through the readers active below).
+    """
+    if not _hooked:
+        with _hooking:  # the replicas of a MirroredStrategy call from threads of their own
+            if not _hooked:
+                _hook_reads()
+    stack = _reader_stack()
+    stack.append(reader)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def _read_through(stack, depth, variable, read):
+    if depth < 0:
+        return read()
+    return stack[depth](variable, lambda: _read_through(stack, depth - 1, variable, read))
+
+
+def _hook_reads():
+    base = _BASE
+    read_variable_op, sparse_read, gather_nd, variable_accessed = _READS
+
+    def hooked_read(self, *args, **kwargs):
+        stack = _reader_stack()
+        if not stack:
+            return read_variable_op(self, *args, **kwargs)
+        fresh = []
+
+        def read():
+            fresh.append(read_variable_op(self, *args, **kwargs))
+            return fresh[-1]
+
+        value = _read_through(stack, len(stack) - 1, self, read)
+        if not any(value is real for real in fresh):
+            # Handed out by a reader: to every tape it is this variable's value, as a read in a graph is.
+            variable_accessed(self)
+            _RECORD_OPERATION(
+                "ReadVariableOp", [value], [self.handle], backward_function=lambda x: [x], forward_function=lambda x: [x]
+            )
+        return value
+
+    def hooked_sparse_read(self, indices, name=None):
+        if not _reader_stack() or self.dtype == tf.variant:
+            return sparse_read(self, indices, name=name)
+        return tf.gather(self.value(), indices, name=name)
+
+    def hooked_gather_nd(self, indices, name=None):
+        if not _reader_stack():
+            return gather_nd(self, indices, name=name)
+        return tf.gather_nd(self.value(), indices, name=name)
+
+    base._read_variable_op = hooked_read
+    base.sparse_read = hooked_sparse_read
+    base.gather_nd = hooked_gather_nd
+    _hooked.append(base)
+
+
+__all__ = ["TF_VERSION", "TESTED_VERSIONS", "stop_recording", "variable_reads"]

@@ -36,7 +36,7 @@ import tensorflow as tf
 from keras_recompute import _context, _policy
 from keras_recompute._errors import RecomputeError
 from keras_recompute.backends import _keras3, _tf_keras
-from keras_recompute.backends._tf_private import stop_recording
+from keras_recompute.backends._tf_private import stop_recording, variable_reads
 
 
 def _is_differentiable(value):
@@ -97,6 +97,7 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full", offload
     loss_lists = _keras3.loss_lists(owner) or _tf_keras.loss_lists(owner)
     dots = _KeptDots(owner, name, context.trains) if policy == _policy.SAVE_DOTS else None
     masks = _KeptMasks() if _policy.keeps_dropout_masks(policy) and _keras3.is_layer(owner) else None
+    reads = _ForwardReads(context.trains)
     # Filled by the forward: the output structure, and its non-float leaves,
     # which leave the custom gradient by this side door.
     forward = {}
@@ -105,7 +106,7 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full", offload
     def checkpointed(*inputs):
         loss_counts = [len(losses) for losses in loss_lists]
         with stop_recording(), (legacy_state.forward() if legacy_state else contextlib.nullcontext()):
-            with dots.recording() if dots else contextlib.nullcontext():
+            with reads.recording(), dots.recording() if dots else contextlib.nullcontext():
                 with masks.recording() if masks else contextlib.nullcontext():
                     outputs = call_with(inputs)
         out_leaves = tf.nest.flatten(outputs)
@@ -136,7 +137,7 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full", offload
                 tape.watch(trainable)
                 keras_replay = _keras3.replay(state, owner)
                 legacy_replay = legacy_state and legacy_state.replay(wait)
-                with keras_replay, (legacy_replay or contextlib.nullcontext()):
+                with keras_replay, (legacy_replay or contextlib.nullcontext()), reads.replaying():
                     with dots.replaying(wait) if dots else contextlib.nullcontext():
                         with masks.replaying() if masks else contextlib.nullcontext():
                             replayed = call_with(replay_inputs, constants, wait)
@@ -176,6 +177,84 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full", offload
         out_leaves[position] = value
     _context.copy_masks(forward["leaves"], out_leaves)
     return tf.nest.pack_sequence_as(forward["outputs"], out_leaves)
+
+
+class _ForwardReads:
+    """The values a call's forward read from its trained variables, handed to its recompute.
+
+    NOTE [ a recompute reads what its forward read ]
+    A gradient must use the weights its forward used. A plain call's does:
+    its backward holds the tensors the forward read. A recompute that reads
+    its variables again reads them in the backward, and nothing orders that
+    read before the optimizer's write of the same variable: in a TF1-style
+    graph no edge does; in a `tf.function` automatic control dependencies add
+    one, which Grappler's dependency optimizer was seen to drop (the
+    `"save_dots"` kernel gradient read its weights under the recompute
+    check's control dependencies: 2-5 of 40 repeated steps updated with
+    another model's weights, up to 6.7 normwise at lr 1.0; exact with that
+    optimizer off or one inter-op thread). So while the forward runs, each
+    read of a trained variable in the call's graph is recorded
+    (`_tf_private.variable_reads`), and the recompute's reads of it hand out
+    the forward's, in order (the k-th read gets the forward's k-th, the last
+    one past that): the recompute depends on them by data, which no
+    scheduler or optimizer reorders, and reads exactly the forward's values
+    even where the call itself assigns a weight between two reads. Each
+    value handed out is recorded on the tapes as a read of its variable, so
+    the recompute's tape, which watches the trained variables, takes their
+    gradients through it, as does an outer tape (a gradient penalty). A read
+    in a nested graph (a `tf.cond` branch, a loop body, a nested
+    `tf.function`), whose tensors cannot leave it, reads the variable. In
+    eager mode ops run in the order they are called, the optimizer's write
+    after the whole gradient, and eager ops read variables through a C++
+    path that no hook sees: there the recompute reads the variables as
+    before, and nothing is recorded. The forward's reads alias
+    the variable's buffer: keeping them costs no memory, as a plain call's
+    backward keeps them. Variables that do not train are not recorded: the
+    seed states and moving statistics a call assigns are replayed by the
+    Keras state (`_keras3`, `_tf_keras`), and frozen weights are not written
+    in a step.
+    """
+
+    def __init__(self, trains):
+        self._trains = trains
+        self._graph = None
+        self._reads = {}  # id(variable) -> the forward's reads of it, in order
+        self._positions = {}
+        self._deciding = False
+
+    @contextlib.contextmanager
+    def recording(self):
+        self._reads.clear()
+        self._graph = tf.compat.v1.get_default_graph()
+        with contextlib.nullcontext() if tf.executing_eagerly() else variable_reads(self._record):
+            yield
+
+    @contextlib.contextmanager
+    def replaying(self):
+        self._positions.clear()
+        with variable_reads(self._replay) if self._reads else contextlib.nullcontext():
+            yield
+
+    def _record(self, variable, read):
+        value = read()
+        if self._deciding or tf.compat.v1.get_default_graph() is not self._graph:
+            return value
+        self._deciding = True  # deciding may read a variable itself (a distributed one's attributes)
+        try:
+            trains = self._trains(variable)
+        finally:
+            self._deciding = False
+        if trains:
+            self._reads.setdefault(id(variable), []).append(value)
+        return value
+
+    def _replay(self, variable, read):
+        reads = self._reads.get(id(variable))
+        if not reads or tf.compat.v1.get_default_graph() is not self._graph:
+            return read()
+        position = self._positions.get(id(variable), 0)
+        self._positions[id(variable)] = position + 1
+        return reads[min(position, len(reads) - 1)]
 
 
 class _KeptDots:
@@ -422,15 +501,27 @@ def _tf_variable(variable):
 
 
 def _kept_matmul(kept, inputs, linear, variables):
-    """`kept`, with the gradient of `linear` at `inputs` (NOTE [ save_dots on TensorFlow ])."""
+    """`kept`, with the gradient of `linear` at `inputs` (NOTE [ save_dots on TensorFlow ]).
+
+    In a graph the gradient runs `linear` on the values of `variables` read
+    now, in the recompute, which hands out what the forward read: it never
+    reads a variable again (NOTE [ a recompute reads what its forward read ]).
+    """
 
     @tf.custom_gradient
     def kept_op(kept, inputs, *reads):
         def grad(upstream):
+            by_variable = {id(variable): value for variable, value in zip(variables, reads)}
+
+            def reader(variable, read):
+                value = by_variable.get(id(variable))
+                return read() if value is None else value
+
             with tf.GradientTape(watch_accessed_variables=False) as tape:
                 tape.watch(inputs)
                 tape.watch(variables)
-                value = linear(inputs)
+                with contextlib.nullcontext() if tf.executing_eagerly() else variable_reads(reader):
+                    value = linear(inputs)
             grads = tape.gradient(value, [inputs] + variables, output_gradients=upstream)
             return [None] + list(grads)
 

@@ -27,11 +27,13 @@ block (+155 MB), which is the memory recompute is meant to save. The recompute
 is the whole call in any case, since the backward needs nearly all of it.
 
 `check=True` keeps torch's determinism check (shapes, dtypes and devices of
-the recomputed tensors); `check=False` turns it off.
+the recomputed tensors) and adds a check of the values: see NOTE [ the
+recompute check on PyTorch ]. `check=False` turns both off.
 """
 
 import contextlib
 import threading
+import weakref
 
 import keras
 import torch
@@ -69,6 +71,7 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full", offload
         # Nothing is saved for a backward that will not run.
         return fn(*args, **kwargs)
     state = _keras3.capture(owner, _snapshot)
+    values = _RecomputedValues(context.name) if check else None
     tape = _DropoutTape() if _policy.keeps_dropout_masks(policy) and _dropout_replayable() else None
 
     def run(*call_args, **call_kwargs):
@@ -79,18 +82,23 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full", offload
         # copies get the masks the inputs had when the call began.
         call_args, call_kwargs = keras.tree.map_structure(_copy, (call_args, call_kwargs))
         with context.masks_attached(call_args, call_kwargs):
-            return fn(*call_args, **call_kwargs)
+            outputs = fn(*call_args, **call_kwargs)
+        if values is not None:
+            values.see(outputs)
+        return outputs
 
     def context_fn():
-        forward, recompute = contextlib.nullcontext(), contextlib.nullcontext()
+        versions = _SavedVersions(context.name)
+        forward, recompute = versions.forward(), versions.recompute()
         if policy == _policy.SAVE_DOTS:
             cache = []
-            forward, recompute = _InMatmuls(_KeepingDots(cache)), _InMatmuls(_KeptDots(cache))
+            forward = _Contexts(forward, _InMatmuls(_KeepingDots(cache)))
+            recompute = _Contexts(recompute, _InMatmuls(_KeptDots(cache)))
         if tape is None:
             return forward, _Contexts(_keras3.replay(state, owner), recompute)
         return _Contexts(tape.recording(), forward), _Contexts(_keras3.replay(state, owner), recompute, tape.replaying())
 
-    offloading = _offloaded() if offload else contextlib.nullcontext()
+    offloading = _offloaded(context.name) if offload else contextlib.nullcontext()
     # The checkpoint saves the call's inputs under the hooks active when it is
     # called (`offloading`); what the call saves inside goes to its own hooks.
     with torch_checkpoint.set_checkpoint_early_stop(False), offloading:
@@ -105,8 +113,102 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full", offload
         )
 
 
-def _offloaded():
-    """Saved-tensor hooks that keep each saved tensor in host memory until it is unpacked (NOTE [ offload ])."""
+# NOTE [ the recompute check on PyTorch ]
+# Torch's determinism check compares the shapes, dtypes and devices of what
+# the recompute saves, not values: a call that branches on a counter it
+# changes itself (`scale = 2 if calls % 2 else 3`) recomputed another
+# function, and the backward returned that function's gradient with no
+# error (the TensorFlow path has raised since its first version). So, as on
+# TensorFlow (NOTE [ the recompute check ] in `backends/tensorflow.py`), the
+# forward takes a fingerprint of each floating-point output (its norm and a
+# projection u'Xv on fixed pseudo-random vectors, in float32) and the
+# recompute compares its own. Comparing needs the values on the host, and a
+# wait for the device in the middle of the backward would stall a GPU once
+# per unit, so the differences are collected on the device and read once,
+# when the backward ends (a callback queued on autograd's engine): the
+# backward raises `RecomputeError` before any optimizer step can use the
+# gradient. JAX needs no such check: it traces a call once and its recompute
+# replays the traced program, which cannot differ from its forward.
+_PROJECTIONS = {}  # (rows, columns, device) -> the fixed vectors of a fingerprint (a few shapes a model)
+_PROJECTIONS_KEPT = 64
+_PENDING = {}  # autograd graph task -> [(name, output index, difference, limit)] to read when its backward ends
+_PENDING_LOCK = threading.Lock()
+_TOLERANCE = 1e-3
+
+
+def _fingerprint(tensor):
+    """`(norm, u'Xv)` of `tensor` as a matrix of its last axis, in float32, on its device."""
+    matrix = tensor.detach().float().reshape(-1, tensor.shape[-1] if tensor.dim() else 1)
+    key = (matrix.shape[0], matrix.shape[1], matrix.device)
+    if key not in _PROJECTIONS:
+        if len(_PROJECTIONS) >= _PROJECTIONS_KEPT:  # shapes that change every step (sequence lengths)
+            _PROJECTIONS.clear()
+        generator = torch.Generator().manual_seed(1234)  # a generator of its own: no global state moves
+        left = torch.rand(matrix.shape[0], generator=generator) * 2 - 1
+        right = torch.rand(matrix.shape[1], generator=generator) * 2 - 1
+        _PROJECTIONS[key] = (left.to(matrix.device), right.to(matrix.device))
+    left, right = _PROJECTIONS[key]
+    return torch.stack([torch.linalg.vector_norm(matrix), left @ (matrix @ right)])
+
+
+class _RecomputedValues:
+    """The forward's fingerprints of a call's outputs, which its recompute's must equal."""
+
+    def __init__(self, name):
+        self._name = name
+        self._expected = None
+
+    def see(self, outputs):
+        leaves = [x for x in keras.tree.flatten(outputs) if isinstance(x, torch.Tensor) and x.is_floating_point()]
+        with torch.no_grad():
+            fingerprints = [_fingerprint(x) for x in leaves]
+        if self._expected is None:  # the forward
+            self._expected = fingerprints
+            return
+        with torch.no_grad():
+            for index, (before, after) in enumerate(zip(self._expected, fingerprints)):
+                _defer_check(self._name, index, (after[1] - before[1]).abs(), _TOLERANCE * before[0] + 1e-6)
+
+
+def _defer_check(name, index, difference, limit):
+    """Reads `difference <= limit` when the running backward ends (NOTE [ the recompute check on PyTorch ])."""
+    task = torch._C._current_graph_task_id()
+    with _PENDING_LOCK:
+        pending = _PENDING.get(task)
+        if pending is None:
+            pending = _PENDING[task] = []
+            if task != -1:
+                torch.autograd.Variable._execution_engine.queue_callback(lambda: _read_checks(task))
+        pending.append((name, index, difference, limit))
+    if task == -1:  # not inside a backward (an unpack called by hand): read it now
+        _read_checks(task)
+
+
+def _read_checks(task):
+    with _PENDING_LOCK:
+        pending = _PENDING.pop(task, [])
+    if not pending:
+        return
+    device = pending[0][2].device  # one read for all of them (units on other devices copy theirs over)
+    exceeded = torch.stack([(difference > limit).to(device) for _, _, difference, limit in pending]).tolist()
+    for (name, index, difference, _), bad in zip(pending, exceeded):
+        if bad:
+            raise RecomputeError(
+                f"keras_recompute: the recompute of {name} gave output {index} values that differ from its "
+                f"forward's (a fingerprint moved by {float(difference):.3g}). A recomputed call must compute the "
+                "same function of its inputs each time: no Python branch on state the call changes, no random "
+                "op outside Keras's random layers and torch's generator. Pass check=False to recompute_grad to "
+                "skip this check."
+            )
+
+
+def _offloaded(name):
+    """Saved-tensor hooks that keep each saved tensor in host memory until it is unpacked (NOTE [ offload ]).
+
+    The copy loses autograd's check that a saved tensor was not written in
+    place before the backward, so the hooks make it themselves (NOTE [ in-place
+    writes to what a recompute saves ]).
+    """
 
     def pack(tensor):
         pinned = tensor.device.type == "cuda"
@@ -116,15 +218,122 @@ def _offloaded():
         if pinned:  # the copy back may be made on another stream (the backward's): it waits for this one
             copied = torch.cuda.Event()
             copied.record(torch.cuda.current_stream(tensor.device))
-        return tensor.device, host, copied
+        return tensor.device, host, copied, _Saved(tensor)
 
     def unpack(packed):
-        device, host, copied = packed
+        device, host, copied, saved = packed
+        saved.check(name, "an input of")
         if copied is not None:
             torch.cuda.current_stream(device).wait_event(copied)
         return host.to(device, non_blocking=host.is_pinned())
 
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+# NOTE [ in-place writes to what a recompute saves ]
+# Autograd refuses a backward that needs a tensor written in place after an op
+# saved it ("one of the variables needed for gradient computation has been
+# modified by an inplace operation"): its gradient would be computed from the
+# written value. Under torch's checkpoint that check is lost: the forward saves
+# nothing (a handle each), and the recompute saves through hooks that keep the
+# tensor without its version. A call that saves a tensor and then writes it in
+# place (`y = block(h); h.add_(1)` inside one recomputed graph piece) gave no
+# error and a gradient 0.53 off normwise, where the plain model raises. So
+# around the checkpoint's own hooks, ours note each saved tensor's version
+# counter: in the forward, with a weak reference to the tensor (a write after
+# the forward, outside the call, shows in it while the tensor lives); in the
+# recompute, which makes the same writes in the same order as the forward,
+# the version each recomputed tensor had when it was saved. When the backward
+# unpacks it, a version that moved since raises `RecomputeError` (a
+# RuntimeError, as autograd's) naming the unit, where the plain model raises.
+# The checkpoint hands back the recomputed tensors in the order they were
+# saved (its own matching rule), so the k-th of the forward is the k-th of the
+# recompute. `offload=True` copies the inputs the checkpoint saves to host
+# memory, which loses the same check for them: its hooks make it too.
+
+
+class _Saved:
+    """A saved tensor's version counter when it was saved, and a weak reference to the tensor."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor):
+        self.tensor = weakref.ref(tensor)
+        self.version = tensor._version
+
+    def check(self, name, what):
+        """Raises `RecomputeError` if the tensor, while it lives, was written in place since it was saved."""
+        tensor = self.tensor()
+        if tensor is not None:
+            _check_version(name, what, self.version, tensor._version)
+
+
+def _check_version(name, what, saved, now):
+    if now != saved:
+        raise RecomputeError(
+            f"keras_recompute: a tensor the backward of {name} needs ({what} it, saved at version {saved}) was "
+            f"modified by an in-place operation after it was saved (now at version {now}). The same model "
+            "without recompute raises too: torch's 'one of the variables needed for gradient computation has "
+            "been modified by an inplace operation'. Write that operation out of place (h = h + 1 for "
+            "h.add_(1), torch.relu(h) for torch.relu_(h))."
+        )
+
+
+class _SavedVersions:
+    """Autograd's in-place check for one recomputed call (NOTE [ in-place writes to what a recompute saves ]).
+
+    `forward()` and `recompute()` are contexts for `context_fn`: each puts
+    saved-tensor hooks around the checkpoint's own.
+    """
+
+    def __init__(self, name):
+        self._name = name
+        self._forward = []  # `_Saved` of each tensor the forward saved, in order
+        self._recomputed = []  # the version of each tensor the recompute saved, when it saved it
+
+    def forward(self):
+        return _AroundSavedTensors(self._pack_forward, self._unpack)
+
+    def recompute(self):
+        return _AroundSavedTensors(self._pack_recomputed, lambda inner, outer: outer(inner), self._recomputed.clear)
+
+    def _pack_forward(self, tensor, outer):
+        self._forward.append(_Saved(tensor))
+        return len(self._forward) - 1, outer(tensor)
+
+    def _pack_recomputed(self, tensor, outer):
+        self._recomputed.append(tensor._version)
+        return outer(tensor)
+
+    def _unpack(self, packed, outer):
+        index, inner = packed
+        value = outer(inner)  # the first unpack runs the recompute
+        self._forward[index].check(self._name, "made inside")
+        if index < len(self._recomputed):
+            _check_version(self._name, "made inside", self._recomputed[index], value._version)
+        return value
+
+
+class _AroundSavedTensors:
+    """Saved-tensor hooks that wrap the ones active when entered: `pack(tensor, outer_pack)`, `unpack(packed, outer_unpack)`."""
+
+    def __init__(self, pack, unpack, on_enter=None):
+        self._pack, self._unpack, self._on_enter = pack, unpack, on_enter
+        self._hooks = None
+
+    def __enter__(self):
+        if self._on_enter is not None:
+            self._on_enter()
+        outer_pack, outer_unpack = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(
+            lambda tensor: self._pack(tensor, outer_pack), lambda packed: self._unpack(packed, outer_unpack)
+        )
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc_info):
+        hooks, self._hooks = self._hooks, None
+        return hooks.__exit__(*exc_info)
 
 
 def offload_frees_device_memory():

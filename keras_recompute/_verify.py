@@ -1,0 +1,466 @@
+"""`verify`: a user proves on their own model, backend and device that recompute trains as without it.
+
+NOTE [ what verify compares ]
+Every silent wrong update found so far was in a setup the tests did not run,
+and a training run does not show one: the loss goes down either way. So
+`verify` runs the model's own compiled training step (as `compile` set it:
+eager, `tf.function`, XLA, JAX's jit, PyTorch) on two copies of the model,
+one plain and one recomputed by `recompute_model` with the options given,
+from the model's current variables and one seed, with SGD at lr 1.0, where
+the update of each weight is its gradient (and a non-trainable weight's, a
+BatchNorm statistic's, is what the step wrote). It compares:
+  * the plain step against itself, `plain_trials` times: its own spread from
+    run to run (0 on a CPU; on a GPU autotuned kernels and unordered
+    reductions may move it);
+  * the recomputed step, `trials` times, the variables set back before each,
+    so that a race with the optimizer (a read overtaken by a write, which
+    showed in 2-5 steps of 40) has the chances to show;
+  * each weight's update against the plain one's: a weight passes when its
+    largest difference over the trials is within twice the plain spread, or
+    within what reassociating float sums moves (1e-5 of the largest update,
+    `tests/_compare.py`'s bound, plus one float32 spacing of the weight where
+    the optimizer rounds `w - g`).
+Each weight belongs to the unit whose layer holds it (or to no unit). A
+unit whose gradient is wrong passes the error on, through its input
+gradient, to every weight before it, so a failure names the last unit (in
+the forward's order) with a weight that differs, and its worst weight, and
+suggests what to change. A
+`RecomputeError` raised by the recomputed step is a failure too, with its
+text, and so is an error of the plain step (the model is wrong without
+recompute too). Both steps run on the model itself, compiled for the time
+with SGD and then compiled again with its own optimizer object and compile
+arguments, its variables and recompute plan put back: a clone
+(`clone_model`) would be another model, rebuilt from its config without
+what was done to the instance (keras-hub's `enable_lora` adds variables the
+config does not ask for). It also times both steps and, where the device's
+allocator keeps figures, measures their peaks.
+"""
+
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from keras_recompute import _budget, _context, _model
+
+_REASSOCIATION = 1e-5  # of the largest update: what reordering float sums moves (tests/_compare.py)
+
+
+def verify(
+    model,
+    x,
+    y=None,
+    *,
+    blocks="auto",
+    segments=None,
+    policy="full",
+    budget=None,
+    offload=False,
+    trials=20,
+    plain_trials=3,
+    seed=0,
+    memory=True,
+):
+    """Checks, on your model, backend and device, that recompute trains exactly as without it.
+
+    Runs the model's compiled training step on a plain copy and on a copy
+    recomputed by `recompute_model` with the options given (NOTE [ what
+    verify compares ]), and compares the first update of every weight, the
+    recomputed step repeated `trials` times, against the plain step's own
+    spread. Run it once on a new model, backend or device before training.
+
+    Args:
+        model: a compiled Keras 3 or tf_keras model (TF2 behaviour). Its
+            loss and its compile settings (`jit_compile`, `run_eagerly`) are
+            the step's; its weights, optimizer and any recompute plan are
+            left as they are.
+        x: a batch of inputs, as `train_on_batch` takes it.
+        y: its targets, as `train_on_batch` takes them (None for a model
+            whose loss needs none).
+        blocks, segments, policy, budget, offload: what to recompute, as
+            `recompute_model` takes them (`budget` is planned on `x`).
+        trials: how many times the recomputed step runs (a race shows in
+            some steps of many).
+        plain_trials: how many times the plain step runs, for its spread (at
+            least 2).
+        seed: the random seed set before every step (dropout draws the same
+            masks in every trial, plain and recomputed).
+        memory: where the device's allocator keeps no figures (a CPU under
+            JAX or PyTorch, TensorFlow's default CPU allocator), predict the
+            steps' peaks with `memory_report` (it measures each unit: seconds
+            on a large model); False leaves them out.
+
+    Returns:
+        A `VerifyReport`: `report.ok`, `print(report)` for the table (each
+        unit's largest difference, the plain spread, the verdict, and the
+        steps' times and peaks), `report.failure` naming the first unit and
+        weight that differ and what to change.
+
+    Raises:
+        TypeError: if `model` is not a Keras 3 or tf_keras model, or
+            `trials`, `plain_trials` or `seed` is not an int.
+        ValueError: if the model is not compiled, `trials < 1` or
+            `plain_trials < 2`, the model cannot be cloned, or an option is
+            one `recompute_model` refuses.
+
+    Example:
+
+    ```python
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    report = keras_recompute.verify(model, x, y, policy="save_dots")
+    print(report)
+    assert report.ok, report.failure
+    ```
+    """
+    keras_module = _check(model, trials, plain_trials, seed)
+    state = [np.array(v) for v in _state_variables(model, keras_module)]
+    with _Restored(model, keras_module, state):
+        _model.unrecompute_model(model)
+        plain_run = _Runs(_compiled_with_sgd(model, keras_module), keras_module, state, x, y, seed)
+        initial = [np.asarray(w, np.float64) for w in model.get_weights()]
+        error, plain_updates = plain_run.updates(plain_trials, initial)
+        _model.recompute_model(
+            model,
+            blocks,
+            segments=segments,
+            policy=policy,
+            budget=budget,
+            inputs=x if budget is not None else None,
+            offload=offload,
+            enabled=True,
+        )
+        units = _model.recomputed_unit_layers(model)
+        predicted = _model.memory_report(model, x) if memory and plain_run.peak is None else None
+        recomputed_run = _Runs(_compiled_with_sgd(model, keras_module), keras_module, state, x, y, seed)
+        if error is not None:
+            error = f"the plain step raised, so the model is wrong without recompute too: {error}"
+            updates = []
+        else:
+            error, updates = recomputed_run.updates(trials, initial)
+            if error is not None:
+                error = f"the recomputed step raised: {error}"
+        names = [getattr(w, "path", None) or w.name for w in model.weights]
+        report = VerifyReport(
+            model.name, names, _owners(model, units), [name for name, _ in units], initial, plain_updates, updates,
+            error, plain_run, recomputed_run,
+        )
+        if predicted is not None and report.plain_peak is None:
+            report.plain_peak, report.recomputed_peak = predicted.plain_peak, predicted.predicted_peak
+            report.peak_source = "predicted by memory_report"
+        return report
+
+
+class VerifyReport:
+    """What `verify` found: each unit's verdict, the first difference, and the steps' costs.
+
+    Attributes:
+        ok: True when every weight's update matched the plain one in every
+            trial and the recomputed step raised nothing.
+        rows: one dict per unit (and one for the weights of no unit):
+            `"unit"`, `"weight"` (its worst), `"difference"` and `"spread"`
+            (normwise: over the largest plain update), `"ok"`.
+        failure: a message naming the first unit and weight that differ and
+            what to change, or the recompute's error; None when `ok`.
+        units: the recomputed units' names.
+        trials: how many recomputed steps were compared.
+        plain_seconds, recomputed_seconds: the median time of a step.
+        plain_peak, recomputed_peak: the peak bytes of a step, measured where
+            the device's allocator reports them, else predicted by
+            `memory_report` (with `memory=True`), else None.
+        peak_source: how the peaks were had.
+    """
+
+    def __init__(self, model_name, names, owners, unit_names, initial, plain_updates, updates, error, plain_run,
+                 recomputed_run):
+        self.model_name = model_name
+        self.units = list(unit_names)
+        self.trials = len(updates)
+        self.plain_seconds = plain_run.seconds()
+        self.recomputed_seconds = recomputed_run.seconds()
+        self.plain_peak = plain_run.peak
+        self.recomputed_peak = recomputed_run.peak
+        self.peak_source = "measured by the device's allocator" if self.plain_peak is not None else None
+        reference = plain_updates[0] if plain_updates else [np.zeros_like(w) for w in initial]
+        scale = max((float(np.max(np.abs(u))) for u in reference if u.size), default=0.0) or 1.0
+        spreads = [
+            max((float(np.max(np.abs(t[i] - reference[i]), initial=0.0)) for t in plain_updates), default=0.0)
+            for i in range(len(reference))
+        ]
+        differences = []
+        for index, (w0, expected) in enumerate(zip(initial, reference)):
+            spacing = np.spacing((np.abs(w0) + np.abs(expected)).astype(np.float32)).astype(np.float64)
+            worst = 0.0
+            for update in updates:
+                beyond = np.maximum(np.abs(update[index] - expected) - spacing, 0.0)
+                worst = max(worst, float(np.max(beyond, initial=0.0)))
+            differences.append(worst)
+        self.plain_spread = max(spreads, default=0.0) / scale
+        passed = [d <= max(2 * s, _REASSOCIATION * scale) for d, s in zip(differences, spreads)]
+        groups = {}
+        for index, owner in enumerate(owners):
+            groups.setdefault(owner, []).append(index)
+        self.rows = []
+        for owner in unit_names + [None]:
+            if owner not in groups:
+                continue
+            worst = max(groups[owner], key=lambda i: (not passed[i], differences[i]))
+            self.rows.append(
+                {
+                    "unit": owner if owner is not None else "(not recomputed)",
+                    "weight": names[worst],
+                    "difference": differences[worst] / scale,
+                    "spread": spreads[worst] / scale,
+                    "ok": all(passed[i] for i in groups[owner]) and error is None,
+                }
+            )
+        self.ok = error is None and all(passed)
+        self.failure = None
+        if error is not None:
+            self.failure = f"keras_recompute.verify: {error}"
+        elif not self.ok:
+            # A unit whose gradient is wrong passes it on to every weight before it: the unit to
+            # name is the last one (in the forward's order) with a weight that differs.
+            failing = [row for row in self.rows if not row["ok"] and row["unit"] in unit_names]
+            row = failing[-1] if failing else next(row for row in self.rows if not row["ok"])
+            self.failure = _failure_message(
+                row["weight"], row["unit"] if failing else None, row["difference"], row["spread"], self.units
+            )
+
+    def __str__(self):
+        header = ["unit", "worst weight", "difference", "plain spread", "verdict"]
+        lines = [header] + [
+            [row["unit"], row["weight"], f"{row['difference']:.2e}", f"{row['spread']:.2e}", "ok" if row["ok"] else "DIFFERS"]
+            for row in self.rows
+        ]
+        widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+        text = [
+            f"keras_recompute.verify: {self.model_name!r}, {len(self.units)} units recomputed, "
+            f"{self.trials} recomputed steps against the plain step (differences over the largest update)"
+        ]
+        for index, line in enumerate(lines):
+            text.append("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip())
+            if index == 0:
+                text.append("  ".join("-" * width for width in widths))
+        ratio = self.recomputed_seconds / self.plain_seconds if self.plain_seconds else float("nan")
+        text.append(
+            f"step time: plain {self.plain_seconds * 1e3:.1f} ms, recomputed {self.recomputed_seconds * 1e3:.1f} ms "
+            f"({ratio:.2f}x)"
+        )
+        if self.plain_peak is not None and self.recomputed_peak is not None:
+            text.append(
+                f"step peak ({self.peak_source}): plain {_budget.format_bytes(self.plain_peak)}, recomputed "
+                f"{_budget.format_bytes(self.recomputed_peak)} ({self.plain_peak / max(self.recomputed_peak, 1):.2f}x lower)"
+            )
+        else:
+            text.append("step peak: not measured (this device's allocator keeps no figures; memory=True predicts it)")
+        text.append("verdict: OK, recompute trains as the plain model" if self.ok else self.failure)
+        return "\n".join(text)
+
+    def __repr__(self):
+        return f"<VerifyReport ok={self.ok}, {len(self.units)} units, {self.trials} trials>"
+
+
+def _failure_message(weight, unit, difference, spread, units):
+    if unit is None:
+        where = f"weight {weight!r}, outside every recomputed unit,"
+        fix = "no recomputed unit's own weights differ: check what feeds this weight's gradient"
+    else:
+        others = [u for u in units if u != unit]
+        where = f"unit {unit!r} (weight {weight!r}; the weights before it differ through its input gradient)"
+        fix = (
+            f"recompute without it (recompute_model(model, blocks={others!r})), or try another policy "
+            "(policy='full' recomputes the most and keeps no activation of its own)"
+        )
+    return (
+        f"keras_recompute.verify: {where} updated {difference:.3g} off the plain model's update (normwise), "
+        f"where the plain step's own spread is {spread:.3g}. To fix: {fix}. Please report it with the "
+        "model, backend and device."
+    )
+
+
+def _check(model, trials, plain_trials, seed):
+    if not _context.is_layer(model):
+        raise TypeError(
+            f"keras_recompute: verify takes a compiled Keras 3 or tf_keras model; received {model!r} of type "
+            f"{type(model).__name__}."
+        )
+    for name, value in (("trials", trials), ("plain_trials", plain_trials), ("seed", seed)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"keras_recompute: verify({name}=...) takes an int; received {value!r}.")
+    if trials < 1 or plain_trials < 2:
+        raise ValueError(
+            f"keras_recompute: verify needs trials >= 1 and plain_trials >= 2 (the plain spread is measured "
+            f"between runs); received trials={trials}, plain_trials={plain_trials}."
+        )
+    if getattr(model, "optimizer", None) is None or getattr(model, "loss", None) is None:
+        raise ValueError(
+            f"keras_recompute: verify runs {model.name!r}'s own compiled training step, and it is not compiled "
+            "with a loss: call model.compile(optimizer=..., loss=...) first (the optimizer is not used: "
+            "verify trains copies with SGD at lr 1.0)."
+        )
+    keras_module = _keras_module(model)
+    if keras_module.__name__ == "tf_keras":
+        import tensorflow as tf
+
+        if not tf.compat.v1.executing_eagerly_outside_functions():
+            raise ValueError(
+                "keras_recompute: verify runs in TF2 behaviour; in a TF1-style graph "
+                "(disable_eager_execution) it cannot copy the model's variables between steps."
+            )
+    return keras_module
+
+
+def _keras_module(model):
+    from keras_recompute.backends import _keras3
+
+    if _keras3.is_layer(model):
+        return sys.modules["keras"]
+    return sys.modules["tf_keras"]
+
+
+def _compiled_with_sgd(model, keras_module):
+    """`model` compiled as it was, but with SGD at lr 1.0 (a new training step, traced anew)."""
+    options = dict(_compile_arguments(model, keras_module), optimizer=keras_module.optimizers.SGD(learning_rate=1.0))
+    options.pop("metrics", None)
+    options.pop("weighted_metrics", None)
+    model.compile(**options)
+    return model
+
+
+def _compile_arguments(model, keras_module):
+    """The arguments `model` was compiled with, its optimizer as the object it holds."""
+    if keras_module.__name__ == "keras":
+        arguments = dict(model._compile_config.config)
+    else:
+        arguments = dict(model._get_compile_args())
+    arguments["optimizer"] = model.optimizer
+    return arguments
+
+
+class _Restored:
+    """Within it, `model` may be compiled and planned otherwise: on exit its variables, compile and plan are back."""
+
+    def __init__(self, model, keras_module, state):
+        self._model, self._keras, self._state = model, keras_module, state
+
+    def __enter__(self):
+        self._arguments = _compile_arguments(self._model, self._keras)
+        self._plan = self._model.__dict__.get(_model._PLAN)
+        return self
+
+    def __exit__(self, *exc_info):
+        model = self._model
+        _model.unrecompute_model(model)
+        if self._plan is not None:
+            self._plan.redo()
+            object.__setattr__(model, _model._PLAN, self._plan)
+        for variable, value in zip(_state_variables(model, self._keras), self._state):
+            variable.assign(value)
+        model.compile(**self._arguments)
+        return False
+
+
+def _state_variables(model, keras_module):
+    """What a step starts from: every variable (Keras 3: seed states too), in a fixed order."""
+    return list(model.variables) if keras_module.__name__ == "keras" else list(model.weights)
+
+
+def _owners(model, units):
+    """For each of `model.weights`, the name of the recomputed unit that holds it, or None."""
+    by_id = {}
+    for name, layer in units:
+        for variable in layer.weights:
+            by_id.setdefault(id(variable), name)
+    return [by_id.get(id(w)) for w in model.weights]
+
+
+class _Runs:
+    """Steps of one copy from the same variables and seed: their updates, times and peak."""
+
+    def __init__(self, model, keras_module, state, x, y, seed):
+        self._model = model
+        self._keras = keras_module
+        self._state = state
+        self._x, self._y, self._seed = x, y, seed
+        self._times = []
+        self.peak = None
+
+    def _reset(self):
+        for variable, value in zip(_state_variables(self._model, self._keras), self._state):
+            variable.assign(value)
+        self._keras.utils.set_random_seed(self._seed)
+
+    def _step(self):
+        started = time.perf_counter()
+        self._model.train_on_batch(self._x, self._y)
+        return time.perf_counter() - started
+
+    def updates(self, trials, initial):
+        """`(error, updates)`: the first update of each weight in each trial, or the error a step raised."""
+        updates = []
+        try:
+            self._reset()
+            self._step()  # traced and compiled here, not timed
+            for _ in range(trials):
+                self._reset()
+                with _Peak(self._model) as peak:
+                    self._times.append(self._step())
+                if peak.bytes is not None:
+                    self.peak = max(self.peak or 0, peak.bytes)
+                updates.append([np.asarray(w, np.float64) - w0 for w, w0 in zip(self._model.get_weights(), initial)])
+        except Exception as error:  # noqa: BLE001 - reported: RecomputeError, an in-place error, a failed assert
+            return f"{type(error).__name__}: {error}", updates
+        return None, updates
+
+    def seconds(self):
+        return statistics.median(self._times) if self._times else 0.0
+
+
+class _Peak:
+    """The peak bytes the device's allocator held during a block, or None where it keeps no figures."""
+
+    def __init__(self, model):
+        self._backend = _backend_of(model)
+        self.bytes = None
+
+    def __enter__(self):
+        self._reset = self._backend_peak(reset=True)
+        return self
+
+    def __exit__(self, *exc_info):
+        if self._reset is not None and exc_info[0] is None:
+            self.bytes = self._backend_peak(reset=False)
+        return False
+
+    def _backend_peak(self, reset):
+        try:
+            if self._backend == "torch":
+                import torch
+
+                if not torch.cuda.is_available():
+                    return None
+                if reset:
+                    torch.cuda.reset_peak_memory_stats()
+                return torch.cuda.max_memory_allocated()
+            if self._backend == "tensorflow":
+                import tensorflow as tf
+
+                device = "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
+                if reset:
+                    tf.config.experimental.reset_memory_stats(device)
+                return tf.config.experimental.get_memory_info(device)["peak"]
+            if self._backend == "jax":
+                import jax
+
+                stats = jax.devices()[0].memory_stats()
+                return None if not stats else stats.get("peak_bytes_in_use")
+        except (ValueError, RuntimeError, AttributeError):
+            return None
+        return None
+
+
+def _backend_of(model):
+    from keras_recompute.backends import _keras3
+
+    return _keras3.backend_name() if _keras3.is_layer(model) else "tensorflow"

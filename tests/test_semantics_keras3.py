@@ -1,0 +1,174 @@
+"""Semantics on Keras 3's JAX and PyTorch backends: the recompute check, second order, `add_loss`.
+
+`test_semantics.py` holds the same for TensorFlow (Keras 3 and tf_keras). Here:
+  * A call that branches on a counter it changes itself: PyTorch raises
+    `RecomputeError` at the end of the backward (NOTE [ the recompute check on
+    PyTorch ]); JAX traces the call once and replays the traced program, so
+    its recompute is the forward's function and the gradient is that of the
+    forward (the plain call's from the same counter).
+  * A gradient penalty (the gradient of a gradient) through a recomputed block.
+  * A loss added with `add_loss` inside the call is differentiated, once.
+"""
+
+import keras
+import numpy as np
+import pytest
+from keras import layers, ops
+
+from _keras3_twins import BACKEND, FAST_MODE, assert_close, loss_and_gradients, recomputed_class
+
+from keras_recompute import RecomputeError, recompute_grad, recompute_scope
+
+pytestmark = pytest.mark.skipif(BACKEND == "tensorflow", reason="test_semantics.py covers TensorFlow")
+
+X = np.random.RandomState(4).standard_normal((3, 16)).astype("float32")
+
+
+class Drifting(layers.Layer):
+    """Branches on a counter it changes itself: not a pure function."""
+
+    def __init__(self, check=True, **kwargs):
+        super().__init__(**kwargs)
+        self.calls = 0
+        self.call = recompute_grad(self.call, check=check)
+
+    def build(self, input_shape):
+        self.kernel = self.add_weight(shape=(input_shape[-1], 4), name="kernel")
+
+    def call(self, inputs):
+        self.calls += 1
+        return ops.matmul(inputs, self.kernel) * (2.0 if self.calls % 2 else 3.0)
+
+
+def _drifting_gradients(layer, on):
+    layer.calls = 0
+    with recompute_scope(on):
+        return loss_and_gradients(layer, [X], FAST_MODE, lambda layer, xs: layer(xs[0]))
+
+
+def test_a_recompute_that_differs_raises_or_replays_the_forward():
+    layer = Drifting(name="drifting")
+    layer(X)
+    if BACKEND == "torch":
+        with pytest.raises(RecomputeError, match="recompute of .*drifting.*differ from its forward"):
+            _drifting_gradients(layer, True)
+        return
+    assert_close(_drifting_gradients(layer, True)[1], _drifting_gradients(layer, False)[1])
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="JAX's recompute cannot differ")
+def test_check_false_skips_the_value_check():
+    layer = Drifting(check=False)
+    layer(X)
+    outputs, gradients = _drifting_gradients(layer, True)
+    assert all(g is not None for g in gradients)
+
+
+class Block(layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.norm = layers.LayerNormalization()
+        self.inner = layers.Dense(32, activation="gelu")
+        self.outer = layers.Dense(16)
+
+    def call(self, inputs):
+        return inputs + self.outer(self.inner(self.norm(inputs)))
+
+
+def _penalty_gradients(layer):
+    """The gradient, by the weights, of the squared norm of the input gradient of `sum(sin(layer(x)))`."""
+    if BACKEND == "jax":
+        import jax
+
+        trainable = [v.value for v in layer.trainable_variables]
+        non_trainable = [v.value for v in layer.non_trainable_variables]
+
+        def score(trainable, x):
+            outputs, _ = layer.stateless_call(trainable, non_trainable, x)
+            return jax.numpy.sum(jax.numpy.sin(outputs))
+
+        def penalty(trainable, x):
+            return jax.numpy.sum(jax.grad(score, argnums=1)(trainable, x) ** 2)
+
+        value, gradients = jax.value_and_grad(penalty)(trainable, jax.numpy.asarray(X))
+        return [np.asarray(value)] + [np.asarray(g) for g in gradients]
+    import torch
+
+    x = torch.tensor(X, requires_grad=True)
+    (input_gradient,) = torch.autograd.grad(torch.sin(layer(x)).sum(), x, create_graph=True)
+    penalty = (input_gradient**2).sum()
+    gradients = torch.autograd.grad(penalty, [v.value for v in layer.trainable_variables])
+    return [penalty.detach().numpy()] + [g.detach().numpy() for g in gradients]
+
+
+def test_gradient_penalty_through_a_recomputed_block():
+    keras.utils.set_random_seed(0)
+    plain = Block()
+    plain(X)
+    recomputed = recomputed_class(Block)()
+    with recompute_scope(False):
+        recomputed(X)
+    recomputed.set_weights(plain.get_weights())
+    expected = _penalty_gradients(plain)
+    with recompute_scope(True):
+        actual = _penalty_gradients(recomputed)
+    assert_close(actual, expected, what="penalty and its gradients")
+    assert all(np.any(g != 0) for g in actual[1:])
+
+
+class Regularized(layers.Layer):
+    """A loss added in the call from the call's own computation, and from a sub-layer's regularizer."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.inner = layers.Dense(3, activity_regularizer="l2")
+
+    def build(self, input_shape):
+        self.kernel = self.add_weight(shape=(input_shape[-1], 4), name="kernel")
+
+    def call(self, inputs):
+        hidden = ops.matmul(inputs, self.kernel)
+        self.add_loss(ops.sum(hidden**2))
+        return self.inner(hidden)
+
+
+def _with_losses_gradients(layer):
+    """`(number of losses, gradients by the weights of sum(sin(y)) + the added losses)`."""
+    if BACKEND == "jax":
+        import jax
+
+        trainable = [v.value for v in layer.trainable_variables]
+        non_trainable = [v.value for v in layer.non_trainable_variables]
+        counts = []
+
+        def loss(trainable):
+            outputs, _, losses = layer.stateless_call(trainable, non_trainable, jax.numpy.asarray(X), return_losses=True)
+            counts.append(len(losses))
+            return jax.numpy.sum(jax.numpy.sin(outputs)) + sum(losses)
+
+        gradients = jax.grad(loss)(trainable)
+        return counts[-1], [np.asarray(g) for g in gradients]
+    import torch
+
+    outputs = layer(torch.tensor(X))
+    losses = layer.losses
+    (torch.sin(outputs).sum() + sum(losses)).backward()
+    gradients = [v.value.grad.numpy().copy() for v in layer.trainable_variables]
+    for v in layer.trainable_variables:
+        v.value.grad = None
+    return len(losses), gradients
+
+
+def test_add_loss_inside_a_recomputed_call_is_differentiated_once():
+    keras.utils.set_random_seed(0)
+    plain = Regularized()
+    plain(X)
+    recomputed = recomputed_class(Regularized)()
+    with recompute_scope(False):
+        recomputed(X)
+    recomputed.set_weights(plain.get_weights())
+    expected_count, expected = _with_losses_gradients(plain)
+    with recompute_scope(True):
+        count, actual = _with_losses_gradients(recomputed)
+    assert count == expected_count == 2
+    assert_close(actual, expected, what="gradients with the added losses")

@@ -1,0 +1,190 @@
+"""`keras_recompute.verify`: passes on clean models, and names each defect built into a model (issue 43).
+
+Clean: the attention model of `_updates.py` (every policy), a model with
+dropout and BatchNorm, and a keras-hub backbone with LoRA on; on each Keras 3
+backend, and tf_keras. Defects, each of which verify must name by unit and
+weight: a layer whose call changes with a Python counter (PyTorch and
+TensorFlow: the recompute check raises; JAX replays its trace and is exact),
+an in-place write the plain model refuses (PyTorch), a raw random op the
+recompute draws again (TensorFlow), and a backend whose recompute doubles its
+weight gradients (a mutation of ours, every backend).
+"""
+
+import keras
+import numpy as np
+import pytest
+from keras import layers, ops
+
+from _keras3_twins import BACKEND
+from _mutations import double_gradients
+from _updates import attention_model, data
+
+from keras_recompute import verify
+
+X, Y = data()
+
+
+def compiled(model, **options):
+    model.compile(optimizer="adam", loss="mse", **options)
+    return model
+
+
+@pytest.mark.parametrize("policy", ["full", "save_dots", "attention_core"])
+def test_a_clean_model_passes_under_each_policy(policy):
+    model = compiled(attention_model(keras))
+    before = [np.array(w) for w in model.get_weights()]
+    report = verify(model, X, Y, policy=policy, trials=8)
+    assert report.ok, str(report)
+    assert len(report.units) == 2 and report.trials == 8
+    assert report.plain_peak > report.recomputed_peak > 0, str(report)  # measured, or predicted on a CPU
+    assert [row["unit"] for row in report.rows][:2] == report.units
+    assert report.plain_seconds > 0 and report.recomputed_seconds > 0
+    assert "verdict: OK" in str(report)
+    # The model itself is left as it was: weights, optimizer, no plan.
+    assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), before))
+    assert model.optimizer.__class__.__name__ == "Adam"
+    from keras_recompute import _model
+
+    assert _model.recomputed_units(model) == []
+
+
+class NoisyBlock(layers.Layer):
+    """Dropout and BatchNorm inside the unit: verify must set the same seeds for both copies."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.up = layers.Dense(32, activation="gelu")
+        self.dropout = layers.Dropout(0.3, seed=1)
+        self.norm = layers.BatchNormalization()
+        self.down = layers.Dense(16)
+
+    def call(self, inputs, training=None):
+        return inputs + self.down(self.norm(self.dropout(self.up(inputs), training=training), training=training))
+
+    def get_config(self):
+        return super().get_config()
+
+
+def blocks_model(block_class, count=3):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16,))
+    hidden = inputs
+    for _ in range(count):
+        hidden = block_class()(hidden)
+    return compiled(keras.Model(inputs, layers.Dense(1)(hidden)))
+
+
+def test_dropout_and_batch_norm_pass():
+    x = np.random.RandomState(1).normal(size=(8, 16)).astype("float32")
+    y = np.random.RandomState(2).normal(size=(8, 1)).astype("float32")
+    report = verify(blocks_model(NoisyBlock), x, y, trials=4, memory=False)
+    assert report.ok, str(report)
+
+
+class Drifting(layers.Layer):
+    """Branches on a counter it changes itself: the recompute computes another function."""
+
+    calls = 0
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = layers.Dense(16)
+
+    def call(self, inputs):
+        Drifting.calls += 1
+        return inputs + self.dense(inputs) * (2.0 if Drifting.calls % 2 else 3.0)
+
+
+@pytest.mark.skipif(BACKEND == "jax", reason="JAX traces the call once: its recompute is the forward's function")
+def test_a_call_that_changes_with_a_counter_fails_with_the_recompute_error():
+    x = np.random.RandomState(1).normal(size=(8, 16)).astype("float32")
+    y = np.zeros((8, 1), "float32")
+    report = verify(blocks_model(Drifting), x, y, trials=2, memory=False)
+    assert not report.ok
+    assert "differ from its forward" in report.failure and "drifting" in report.failure, report.failure
+
+
+def test_a_doubled_gradient_is_named_by_unit_and_weight(monkeypatch):
+    """A mutation of ours: each recomputed unit's output carries twice its gradient."""
+    model = compiled(attention_model(keras))
+    double_gradients(monkeypatch)
+    report = verify(model, X, Y, trials=2, memory=False)
+    assert not report.ok
+    last = report.units[-1]  # the units before it differ through its input gradient
+    assert f"unit {last!r} (weight '{last}/" in report.failure, report.failure
+    assert f"recompute_model(model, blocks={report.units[:-1]!r})" in report.failure
+    verdicts = {row["unit"]: row["ok"] for row in report.rows}
+    assert verdicts[last] is False
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="in-place writes to tensors are PyTorch's")
+def test_an_in_place_write_is_named():
+    from test_inplace_torch import IDS, TARGETS, stages_model
+
+    model = stages_model(in_place=True)
+    report = verify(model, IDS, TARGETS, trials=2, memory=False)
+    assert not report.ok and "modified by an inplace operation" in report.failure, report.failure
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="a raw TensorFlow random op")
+def test_a_raw_random_op_is_named():
+    import tensorflow as tf
+
+    class RawNoise(layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.dense = layers.Dense(16)
+
+        def call(self, inputs):
+            return inputs + self.dense(inputs * tf.random.uniform(tf.shape(inputs)))
+
+    x = np.random.RandomState(1).normal(size=(8, 16)).astype("float32")
+    report = verify(blocks_model(RawNoise), x, np.zeros((8, 1), "float32"), trials=2, memory=False)
+    assert not report.ok and "differ from its forward" in report.failure, report.failure
+
+
+def test_bad_arguments_say_what_to_do():
+    model = attention_model(keras)
+    with pytest.raises(ValueError, match="not compiled"):
+        verify(model, X, Y)
+    compiled(model)
+    with pytest.raises(ValueError, match="plain_trials >= 2"):
+        verify(model, X, Y, plain_trials=1)
+    with pytest.raises(TypeError, match="trials"):
+        verify(model, X, Y, trials=2.5)
+    with pytest.raises(TypeError, match="compiled Keras 3 or tf_keras model"):
+        verify(object(), X, Y)
+    with pytest.raises(ValueError, match="policies"):
+        verify(model, X, Y, policy="some")
+
+
+def test_a_keras_hub_backbone_with_lora_passes():
+    keras_hub = pytest.importorskip("keras_hub")
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=64, num_layers=2, num_heads=2, hidden_dim=16, intermediate_dim=32, max_sequence_length=8,
+        dropout=0.1,
+    )
+    backbone.enable_lora(4)
+    ids = keras.Input((8,), dtype="int32", name="token_ids")
+    padding = keras.Input((8,), dtype="int32", name="padding_mask")
+    outputs = layers.Dense(1)(backbone({"token_ids": ids, "padding_mask": padding}))
+    model = compiled(keras.Model({"token_ids": ids, "padding_mask": padding}, outputs))
+    rng = np.random.RandomState(0)
+    batch = {"token_ids": rng.randint(1, 64, size=(2, 8)).astype("int32"), "padding_mask": np.ones((2, 8), "int32")}
+    batch["padding_mask"][1, 6:] = 0
+    targets = rng.normal(size=(2, 8, 1)).astype("float32")
+    report = verify(model, batch, targets, blocks=keras_hub.layers.TransformerDecoder, trials=2, memory=False)
+    assert report.ok, str(report)
+    assert len(report.units) == 2
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="tf_keras runs on TensorFlow")
+def test_a_tf_keras_model_passes_and_a_doubled_gradient_is_named(monkeypatch):
+    K = pytest.importorskip("tf_keras")
+    model = attention_model(K)
+    model.compile(optimizer="adam", loss="mse")
+    report = verify(model, X, Y, policy="save_dots", trials=8, memory=False)
+    assert report.ok, str(report)
+    double_gradients(monkeypatch)
+    report = verify(model, X, Y, trials=2, memory=False)
+    assert not report.ok and f"unit {report.units[-1]!r}" in report.failure, report.failure
