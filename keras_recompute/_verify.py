@@ -36,6 +36,7 @@ config does not ask for). It also times both steps and, where the device's
 allocator keeps figures, measures their peaks.
 """
 
+import importlib
 import statistics
 import sys
 import time
@@ -418,46 +419,22 @@ class _Runs:
 
 
 class _Peak:
-    """The peak bytes the device's allocator held during a block, or None where it keeps no figures."""
+    """The peak bytes the device's allocator held during a block (`allocator_peak` of the backend), or None."""
 
     def __init__(self, model):
-        self._backend = _backend_of(model)
+        from keras_recompute import _decorator
+
+        self._peak = importlib.import_module(_decorator._PATHS[_backend_of(model)]).allocator_peak
         self.bytes = None
 
     def __enter__(self):
-        self._reset = self._backend_peak(reset=True)
+        self._kept = self._peak(reset=True) is not None
         return self
 
     def __exit__(self, *exc_info):
-        if self._reset is not None and exc_info[0] is None:
-            self.bytes = self._backend_peak(reset=False)
+        if self._kept and exc_info[0] is None:
+            self.bytes = self._peak()
         return False
-
-    def _backend_peak(self, reset):
-        try:
-            if self._backend == "torch":
-                import torch
-
-                if not torch.cuda.is_available():
-                    return None
-                if reset:
-                    torch.cuda.reset_peak_memory_stats()
-                return torch.cuda.max_memory_allocated()
-            if self._backend == "tensorflow":
-                import tensorflow as tf
-
-                device = "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
-                if reset:
-                    tf.config.experimental.reset_memory_stats(device)
-                return tf.config.experimental.get_memory_info(device)["peak"]
-            if self._backend == "jax":
-                import jax
-
-                stats = jax.devices()[0].memory_stats()
-                return None if not stats else stats.get("peak_bytes_in_use")
-        except (ValueError, RuntimeError, AttributeError):
-            return None
-        return None
 
 
 def _backend_of(model):

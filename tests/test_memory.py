@@ -49,4 +49,6 @@ def test_recompute_model_lowers_the_peak_as_decorating_does(framework):
     decorated = peak_bytes(framework, "function", recompute=True)
     print(f"{framework}: plain {plain / 2**20:.0f} MB, recompute_model {model / 2**20:.0f} MB, decorated {decorated / 2**20:.0f} MB")
     assert plain / model >= 2.0
-    assert model <= decorated * 1.1
+    # The runtime's order of ops moves a peak by one block's widest activation (1024 x 512 float32,
+    # 2 MB): the same program peaked at 18.8 MB and 20.7 MB in two runs.
+    assert model <= decorated * 1.1 + 1024 * 512 * 4

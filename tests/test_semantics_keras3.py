@@ -16,6 +16,7 @@ import pytest
 from keras import layers, ops
 
 from _keras3_twins import BACKEND, FAST_MODE, assert_close, loss_and_gradients, recomputed_class
+from test_keras3 import Block
 
 from keras_recompute import RecomputeError, recompute_grad, recompute_scope
 
@@ -64,15 +65,9 @@ def test_check_false_skips_the_value_check():
     assert all(g is not None for g in gradients)
 
 
-class Block(layers.Layer):
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.norm = layers.LayerNormalization()
-        self.inner = layers.Dense(32, activation="gelu")
-        self.outer = layers.Dense(16)
-
-    def call(self, inputs):
-        return inputs + self.outer(self.inner(self.norm(inputs)))
+def _values(layer):
+    """JAX: the layer's trainable and non-trainable values, for `stateless_call`."""
+    return [v.value for v in layer.trainable_variables], [v.value for v in layer.non_trainable_variables]
 
 
 def _penalty_gradients(layer):
@@ -80,8 +75,7 @@ def _penalty_gradients(layer):
     if BACKEND == "jax":
         import jax
 
-        trainable = [v.value for v in layer.trainable_variables]
-        non_trainable = [v.value for v in layer.non_trainable_variables]
+        trainable, non_trainable = _values(layer)
 
         def score(trainable, x):
             outputs, _ = layer.stateless_call(trainable, non_trainable, x)
@@ -137,8 +131,7 @@ def _with_losses_gradients(layer):
     if BACKEND == "jax":
         import jax
 
-        trainable = [v.value for v in layer.trainable_variables]
-        non_trainable = [v.value for v in layer.non_trainable_variables]
+        trainable, non_trainable = _values(layer)
         counts = []
 
         def loss(trainable):

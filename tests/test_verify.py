@@ -188,3 +188,14 @@ def test_a_tf_keras_model_passes_and_a_doubled_gradient_is_named(monkeypatch):
     double_gradients(monkeypatch)
     report = verify(model, X, Y, trials=2, memory=False)
     assert not report.ok and f"unit {report.units[-1]!r}" in report.failure, report.failure
+
+
+def test_the_models_own_plan_and_optimizer_come_back():
+    from keras_recompute import _model, recompute_model
+
+    model = compiled(recompute_model(attention_model(keras), policy="save_dots", limit=1))
+    optimizer, plan = model.optimizer, _model.recomputed_units(model)
+    report = verify(model, X, Y, policy="full", trials=2, memory=False)
+    assert report.ok and len(report.units) == 2, str(report)  # verify's own plan: both blocks, full
+    assert _model.recomputed_units(model) == plan and model.optimizer is optimizer
+    assert model._keras_recompute_plan.policies == ("save_dots",)

@@ -300,6 +300,12 @@ def _on_host(leaf):
     return getattr(getattr(leaf, "sharding", None), "memory_kind", None) in ("pinned_host", "unpinned_host")
 
 
+def allocator_peak(reset=False):
+    """None: JAX's allocator reports the peak of the process so far and cannot set it back, so no step's peak."""
+    del reset
+    return None
+
+
 def offload_frees_device_memory():
     """Whether offloaded bytes leave the device's memory: not on a CPU, whose host memory it is."""
     return jax.devices()[0].platform != "cpu"

@@ -844,6 +844,21 @@ def measure_unit(layer, args, kwargs, policy, timed=True, execution="compiled"):
     return kept, largest, run
 
 
+def allocator_peak(reset=False):
+    """The peak bytes the default device's allocator has held (since the last reset); or None without figures.
+
+    With `reset`, the peak is set back to what it holds now first. A GPU's
+    allocator keeps figures; the CPU's only as BFC (`TF_CPU_ALLOCATOR_USE_BFC=1`).
+    """
+    device = "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
+    try:
+        if reset:
+            tf.config.experimental.reset_memory_stats(device)
+        return tf.config.experimental.get_memory_info(device)["peak"]
+    except (ValueError, tf.errors.OpError):  # the CPU's default allocator: no statistics
+        return None
+
+
 def _bytes_in_use():
     """What the default device's allocator holds now, or None where it keeps no figures."""
     device = "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"

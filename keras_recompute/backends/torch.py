@@ -336,6 +336,18 @@ class _AroundSavedTensors:
         return hooks.__exit__(*exc_info)
 
 
+def allocator_peak(reset=False):
+    """The peak bytes CUDA's caching allocator has held (since the last reset); None on a CPU (no figures).
+
+    With `reset`, the peak is set back to what it holds now first.
+    """
+    if not torch.cuda.is_available():
+        return None
+    if reset:
+        torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.max_memory_allocated()
+
+
 def offload_frees_device_memory():
     """Whether offloaded bytes leave the device's memory: not on a CPU, whose host memory it is."""
     from keras.src.backend.torch.core import get_device
