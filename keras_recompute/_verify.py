@@ -102,7 +102,7 @@ def verify(
         TypeError: if `model` is not a Keras 3 or tf_keras model, or
             `trials`, `plain_trials` or `seed` is not an int.
         ValueError: if the model is not compiled, `trials < 1` or
-            `plain_trials < 2`, the model cannot be cloned, or an option is
+            `plain_trials < 2`, it runs in a TF1-style graph, or an option is
             one `recompute_model` refuses.
 
     Example:
