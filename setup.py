@@ -20,7 +20,7 @@ setup(
     long_description=LONG_DESCRIPTION,
     long_description_content_type="text/markdown",
     packages=find_packages(include=["keras_recompute", "keras_recompute.*"]),
-    python_requires=">=3.9",
+    python_requires=">=3.7",
     # No framework is required: the user brings TensorFlow (with Keras 3 or
     # tf_keras), JAX or PyTorch. The extras pin what the tests run on.
     install_requires=[],

@@ -75,6 +75,10 @@ def is_layer(obj):
 
     if _keras3.is_layer(obj):
         return True
+    from keras_recompute.backends import _keras2
+
+    if _keras2.is_layer(obj):
+        return True
     # tf_keras (Keras 2) by duck type: in a TF1-style graph its layers are
     # swapped onto `base_layer_v1.Layer`, which `tf_keras.layers.Layer` is not.
     return all(hasattr(obj, attribute) for attribute in ("_flatten_layers", "trainable_weights", "non_trainable_weights"))
@@ -101,6 +105,10 @@ def children(layer):
 
     if _keras3.is_layer(layer):
         return _keras3.children(layer)
+    from keras_recompute.backends import _keras2
+
+    if _keras2.is_layer(layer):
+        return _keras2.children(layer)
     from keras_recompute.backends import _tf_keras  # a tf_keras layer: TensorFlow is imported
 
     return _tf_keras.children(layer)
@@ -164,8 +172,12 @@ class CallContext:
         if self._trains is None:
             self._trains = _trainability(self.owner)
         verdict = self._trains.get(id(variable))
+        if verdict is None and self.owner is not None:
+            # A sub-layer built in the first call made it after the first verdicts were read.
+            self._trains = _trainability(self.owner)
+            verdict = self._trains.get(id(variable))
         if verdict is None:
-            return bool(getattr(variable, "trainable", True))
+            verdict = self._trains[id(variable)] = bool(getattr(variable, "trainable", True))
         return verdict
 
 
@@ -249,6 +261,10 @@ def _trainability(owner):
 
     if _keras3.is_layer(owner):
         return _keras3.trainability(owner)
+    from keras_recompute.backends import _keras2
+
+    if _keras2.is_layer(owner):
+        return _keras2.trainability(owner)
     if is_layer(owner):
         from keras_recompute.backends import _tf_keras
 

@@ -32,6 +32,7 @@ import warnings
 
 from keras_recompute import _budget, _config, _context, _memory, _policy
 from keras_recompute._decorator import recompute_grad
+from keras_recompute._errors import RecomputeError
 
 # Attributes of keras-hub backbones that list their repeated blocks.
 _BLOCK_LISTS = ("transformer_layers", "encoder_transformer_layers", "decoder_transformer_layers")
@@ -130,6 +131,7 @@ def recompute_model(
     keras_recompute.recompute_model(model, budget="12GiB", inputs=batch)  # the least recompute that fits
     ```
     """
+    _refuse_keras2(model, "recompute_model")
     _check_options(model, blocks, segments, limit, policy, enabled)
     _check_budget_options(budget, inputs, limit, policy, execution)
     framework = _framework(model)
@@ -209,6 +211,7 @@ def memory_report(model, inputs, *, blocks="auto", execution=None, offload=None)
     print(keras_recompute.memory_report(model, batch))
     ```
     """
+    _refuse_keras2(model, "memory_report")
     if not _context.is_layer(model):
         raise TypeError(
             f"keras_recompute: memory_report takes a Keras 3 or tf_keras model; received {model!r} "
@@ -311,6 +314,17 @@ def _remove_bert4keras_recompute():
             f"imported) and is now taken off {removed}: it doubles the gradient of a tensor passed twice "
             "(self-attention), and inside recompute_model's units it would recompute twice.",
             stacklevel=3,
+        )
+
+
+def _refuse_keras2(model, what):
+    from keras_recompute.backends import _keras2
+
+    if _keras2.is_layer(model):
+        raise RecomputeError(
+            f"keras_recompute: {what} takes a Keras 3 or tf_keras model, not a standalone Keras 2 one "
+            f"({type(model).__name__}). On Keras 2.3 decorate the blocks' call with recompute_grad, "
+            "or call keras_recompute.integrations.bert4keras.enable() before building a bert4keras model."
         )
 
 

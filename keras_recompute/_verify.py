@@ -281,6 +281,7 @@ def _failure_message(weight, unit, difference, spread, units):
 
 
 def _check(model, trials, plain_trials, seed):
+    _model._refuse_keras2(model, "verify")
     if not _context.is_layer(model):
         raise TypeError(
             f"keras_recompute: verify takes a compiled Keras 3 or tf_keras model; received {model!r} of type "

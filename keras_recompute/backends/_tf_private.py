@@ -1,11 +1,23 @@
-"""Private TensorFlow APIs: the one place that touches them.
+"""Private TensorFlow APIs and TensorFlow's versions: the one place that touches them.
 
-Tested on TensorFlow 2.21 (tensorflow-cpu wheel). What is used:
-`tensorflow.python.eager.record` (`stop_recording`, `record_operation`), and
-`resource_variable_ops` (`variable_accessed`, and `BaseResourceVariable`'s
-`_read_variable_op`, `sparse_read` and `gather_nd`, hooked: NOTE [ hooking
-variable reads ]). A TensorFlow that lacks one gets an error that names it
-instead of a wrong gradient.
+Tested on TensorFlow 2.21 (tensorflow-cpu wheel), and on 1.14, 1.15, 2.0 and
+2.1 (Python 3.7, `tests/legacy/run.py`). What is used:
+`tensorflow.python.eager.record` (`stop_recording`, `record_operation`; in
+`tape` before it), and `resource_variable_ops` (`variable_accessed`, and
+`BaseResourceVariable`'s `_read_variable_op`, `sparse_read` and `gather_nd`,
+hooked: NOTE [ hooking variable reads ]). A TensorFlow that lacks one gets an
+error that names it instead of a wrong gradient.
+
+NOTE [ TensorFlow versions ]
+TensorFlow 2.4 and newer take the TF2 path (`backends/tensorflow.py`): a
+custom gradient that any tape or `tf.gradients` differentiates, in eager
+mode, `tf.function` and XLA. Before 2.4 (`LEGACY`), a recomputed call is
+served in a graph differentiated by `tf.gradients` only: TF 1.x graphs
+(standalone Keras 2.3 or tf.keras) and standalone Keras 2.3's graph on TF
+2.0/2.1 (`backends/tensorflow_v1.py`). What that path cannot serve there
+(eager execution, a `GradientTape`, `"save_dots"`, `offload=`, memory
+planning) raises `RecomputeError` naming the TensorFlow version and what to
+use instead (`require_modern`).
 """
 
 import contextlib
@@ -15,8 +27,9 @@ import tensorflow as tf
 
 from keras_recompute._errors import RecomputeError
 
-TESTED_VERSIONS = "2.21"
-_MINIMUM = (2, 4)
+TESTED_VERSIONS = "2.21 (TF2 path); 1.14, 1.15, 2.0, 2.1 (graph path)"
+_MODERN = (2, 4)
+_OLDEST = (1, 14)
 
 
 def _parse_version(text):
@@ -28,26 +41,57 @@ def _parse_version(text):
 
 
 TF_VERSION = _parse_version(tf.__version__)
-if TF_VERSION < _MINIMUM:
+LEGACY = TF_VERSION < _MODERN
+if TF_VERSION < _OLDEST:
     raise RecomputeError(
-        f"keras_recompute: TensorFlow {tf.__version__} is too old; the TF "
-        f"path needs {_MINIMUM[0]}.{_MINIMUM[1]} or newer (tested on "
-        f"{TESTED_VERSIONS}). Upgrade TensorFlow."
+        f"keras_recompute: TensorFlow {tf.__version__} is too old; keras_recompute needs "
+        f"{_OLDEST[0]}.{_OLDEST[1]} or newer (tested on {TESTED_VERSIONS}). Upgrade TensorFlow."
     )
 
+
+def require_modern(what, instead):
+    """Raises `RecomputeError` on a TensorFlow before 2.4: `what` needs the TF2 path.
+
+    Args:
+        what: what was asked for ("eager execution", "policy='save_dots'").
+        instead: what to use on this TensorFlow instead, a sentence.
+    """
+    if LEGACY:
+        raise RecomputeError(
+            f"keras_recompute: {what} needs TensorFlow {_MODERN[0]}.{_MODERN[1]} or newer; this is "
+            f"TensorFlow {tf.__version__}, where a recomputed call works only in a graph that "
+            f"tf.gradients differentiates (TF 1.x, or standalone Keras 2.3 on TF 2.0/2.1). {instead}"
+        )
+
+
 try:
-    from tensorflow.python.eager import record
+    try:
+        from tensorflow.python.eager import record as _record
+    except ImportError:  # before TensorFlow 2.5 these lived in `tape`
+        from tensorflow.python.eager import tape as _record
     from tensorflow.python.ops import resource_variable_ops
 
-    stop_recording = record.stop_recording
-    _BASE = resource_variable_ops.BaseResourceVariable
+    stop_recording = _record.stop_recording
+    # Before TensorFlow 1.15 the resource variable's class was ResourceVariable itself.
+    _BASE = getattr(resource_variable_ops, "BaseResourceVariable", None) or resource_variable_ops.ResourceVariable
     _READS = (_BASE._read_variable_op, _BASE.sparse_read, _BASE.gather_nd, resource_variable_ops.variable_accessed)
-    _RECORD_OPERATION = record.record_operation
+    _RECORD = _record.record_operation
 except (ImportError, AttributeError) as error:  # pragma: no cover - depends on the TF build
     raise RecomputeError(
         f"keras_recompute: TensorFlow {tf.__version__} lacks {error}, which the TF path uses (tested on "
         f"{TESTED_VERSIONS}). Please report this version."
     ) from error
+
+
+def _record_operation(op_type, outputs, inputs, backward):
+    if LEGACY:  # `record_operation` took no forward function then
+        return _RECORD(op_type, outputs, inputs, backward)
+    return _RECORD(op_type, outputs, inputs, backward_function=backward, forward_function=lambda x: [x])
+
+
+def tape_active():
+    """Whether a `GradientTape` records in this thread now."""
+    return _record.could_possibly_record()
 
 
 # NOTE [ hooking variable reads ]
@@ -129,9 +173,7 @@ def _hook_reads():
         if not any(value is real for real in fresh):
             # Handed out by a reader: to every tape it is this variable's value, as a read in a graph is.
             variable_accessed(self)
-            _RECORD_OPERATION(
-                "ReadVariableOp", [value], [self.handle], backward_function=lambda x: [x], forward_function=lambda x: [x]
-            )
+            _record_operation("ReadVariableOp", [value], [self.handle], lambda x: [x])
         return value
 
     def hooked_sparse_read(self, indices, name=None):
@@ -150,4 +192,4 @@ def _hook_reads():
     _hooked.append(base)
 
 
-__all__ = ["TF_VERSION", "TESTED_VERSIONS", "stop_recording", "variable_reads"]
+__all__ = ["LEGACY", "TF_VERSION", "TESTED_VERSIONS", "require_modern", "stop_recording", "tape_active", "variable_reads"]

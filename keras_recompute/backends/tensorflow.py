@@ -36,7 +36,7 @@ import tensorflow as tf
 from keras_recompute import _context, _policy
 from keras_recompute._errors import RecomputeError
 from keras_recompute.backends import _keras3, _tf_keras
-from keras_recompute.backends._tf_private import stop_recording, variable_reads
+from keras_recompute.backends._tf_private import LEGACY, require_modern, stop_recording, variable_reads
 
 
 def _is_differentiable(value):
@@ -64,6 +64,10 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full", offload
     """
     if offload:
         raise ValueError(_policy.offload_refused_message(context.name, "tensorflow"))
+    if LEGACY:  # NOTE [ TensorFlow versions ] in `_tf_private`
+        from keras_recompute.backends import tensorflow_v1
+
+        return tensorflow_v1.recompute_call(fn, args, kwargs, context, check=check, policy=policy)
     name, owner = context.name, context.owner
     structure = (args, kwargs)
     leaves = tf.nest.flatten(structure)
@@ -799,6 +803,10 @@ def measure_unit(layer, args, kwargs, policy, timed=True, execution="compiled"):
         the inputs and variables, the largest tensor among them, and a
         function that runs one forward and backward (already warmed up).
     """
+    require_modern(
+        "planning to a budget (budget=, memory_report)",
+        "Pass policy= (or blocks=) to recompute_model by hand, or upgrade TensorFlow.",
+    )
     if not tf.executing_eagerly():
         raise RecomputeError(
             "keras_recompute: planning to a budget measures each unit by running it, which needs eager "

@@ -1,0 +1,22 @@
+"""The legacy tests: standalone Keras 2.3 (and TensorFlow before 2.4) on Python 3.7.
+
+Run by `python tests/legacy/run.py`, which builds each environment's virtual
+environment and runs this folder there; the main suite does not collect it.
+"""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.pop("RECOMPUTE", None)
+
+import keras  # noqa: E402
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh_graph(monkeypatch):
+    """Each test builds in a new Keras graph and session, with RECOMPUTE unset."""
+    monkeypatch.delenv("RECOMPUTE", raising=False)
+    keras.backend.clear_session()
+    yield
+    keras.backend.clear_session()
