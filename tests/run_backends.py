@@ -10,12 +10,9 @@ Each backend's run is a fresh `python -m pytest tests` with `KERAS_BACKEND`
 set (Keras reads it once, at import). With `--jobs` above 1 the runs overlap:
 most tests are small, spend their time in one Python thread tracing and
 dispatching, and leave the second core idle, so two runs take little longer
-than the longer of them. Overlapping runs get one compute thread each
-(`_ONE_THREAD`): left to themselves TensorFlow's, XLA's and PyTorch's pools
-each take every core, and two runs on 2 cores spent their time contending
-(37 minutes, against 29 for TensorFlow's alone). Nothing in the suite is
-timed, and each memory figure is measured in a child process of its own, so
-an overlapping run changes no result. The output of an overlapped run is printed whole when it ends. The exit
+than the longer of them. Nothing in the suite is timed, and each memory figure
+is measured in a child process of its own, so an overlapping run changes no
+result. The output of an overlapped run is printed whole when it ends. The exit
 status is non-zero when any run failed, and a summary at the end names each
 backend's result and time.
 """
@@ -29,25 +26,6 @@ import tempfile
 import time
 
 BACKENDS = ("tensorflow", "jax", "torch")
-
-# Each framework's intra-op pool down to one thread. Ops that run side by
-# side in a graph (TensorFlow's inter-op threads, which the race tests need)
-# are not limited.
-_ONE_THREAD = {
-    "OMP_NUM_THREADS": "1",
-    "MKL_NUM_THREADS": "1",
-    "TF_NUM_INTRAOP_THREADS": "1",
-}
-_XLA_ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
-
-
-def _environment(backend, overlapped):
-    environment = dict(os.environ, KERAS_BACKEND=backend)
-    if overlapped:
-        for name, value in _ONE_THREAD.items():
-            environment.setdefault(name, value)
-        environment["XLA_FLAGS"] = (environment.get("XLA_FLAGS", "") + " " + _XLA_ONE_THREAD).strip()
-    return environment
 
 
 def main(argv=None):
@@ -70,7 +48,7 @@ def main(argv=None):
                 log = None if streamed else tempfile.TemporaryFile(mode="w+")
                 process = subprocess.Popen(
                     [sys.executable, "-m", "pytest", tests, "-q", *args.pytest_args],
-                    env=_environment(backend, overlapped=not streamed),
+                    env=dict(os.environ, KERAS_BACKEND=backend),
                     stdout=log,
                     stderr=subprocess.STDOUT if log else None,
                 )

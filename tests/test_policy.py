@@ -560,11 +560,11 @@ def test_tf_keras_policies_match_the_plain_model(policy, mode):
         K.backend.experimental.disable_tf_random_generator()
 
 
-@pytest.mark.parametrize("policy", ["save_dots", "attention_core"])
-@pytest.mark.parametrize("family", ["Gemma", "GPT2"])
+@pytest.mark.parametrize("family, policy", [("Gemma", "attention_core"), ("GPT2", "save_dots")])
 def test_keras_hub_lora_backbones_under_each_policy(policy, family):
-    """keras-hub attention of its own classes, LoRA on. Gemma's core scales its query in place
-    (`q *= c`): on PyTorch the recompute must see the query as it was (NOTE [ inputs written in place ])."""
+    """keras-hub attention of its own classes, LoRA on, each policy on one backbone. Gemma's core
+    scales its query in place (`q *= c`): on PyTorch the recompute of the core must see the query
+    as it was (NOTE [ inputs written in place ]). Both backbones under `"full"`: `test_model.py`."""
     from test_model import _keras_hub_backbone
 
     backbone = recompute_model(_keras_hub_backbone(family, lora=True), policy=policy)

@@ -482,6 +482,31 @@ def test_a_raw_random_op_raises_instead_of_a_wrong_gradient(mode):
             compile_mode(step, mode)(tf.ones((4, 6)))
 
 
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_a_forward_that_overflowed_is_not_called_a_different_recompute(mode):
+    """A diverged model's NaN and inf outputs are reproduced by the recompute: the gradients are plain's, no error.
+
+    (The check compared fingerprints that NaN makes unequal to themselves: it
+    raised "differ from its forward" for a recompute that was exact.)
+    """
+    weight = tf.Variable([[1.0, 0.0, -1.0], [2.0, 1.0, 0.0]])
+
+    def overflowing(x):
+        return tf.exp(tf.matmul(x, weight)) * tf.constant([1.0, float("nan"), 1.0])
+
+    def step(x, fn):
+        with tf.GradientTape() as tape:
+            y = tf.reduce_sum(fn(x))
+        return tape.gradient(y, weight)
+
+    x = tf.constant([[100.0, 0.0], [1.0, 1.0]])
+    expected = compile_mode(lambda x: step(x, overflowing), mode)(x)
+    with recompute_scope(True):
+        actual = compile_mode(lambda x: step(x, recompute_grad(overflowing)), mode)(x)
+    np.testing.assert_array_equal(np.isnan(actual.numpy()), np.isnan(expected.numpy()))
+    assert np.isnan(expected.numpy()).any()
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_add_loss_inside_a_recomputed_call(K, mode):
     """A loss added in the call is differentiated (it is an output), and added once."""

@@ -37,7 +37,8 @@ def test_first_updates_equal_plain_in_every_repeat(policy, jit):
     plain = attention_model(keras)
     model = recompute_model(attention_model(keras), policy=policy, enabled=True)
     # PyTorch runs each step eagerly: there is no scheduler to race, and a few trials say as much.
-    trials = TRIALS if BACKEND != "torch" else 4
+    # A JAX step is one XLA program whose updates are new arrays: no write can overtake a read.
+    trials = {"tensorflow": TRIALS, "jax": TRIALS // 4}.get(BACKEND, 4)
     _compiled(plain, RATES[0], jit)
     _compiled(model, RATES[0], jit)
     for rate in RATES:
