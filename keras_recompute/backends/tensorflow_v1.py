@@ -151,19 +151,20 @@ def _read_from_outside(graph, first, last, inputs):
 def _refuse_what_cannot_work(name, owner, policy):
     if policy != _policy.FULL:
         require_modern(f'policy="{policy}" ({name})', 'Use policy="full" here, or upgrade TensorFlow.')
+    tf_keras_layers = sys.modules.get("tensorflow.python.keras.engine.base_layer")
+    if tf_keras_layers is not None and isinstance(owner, tf_keras_layers.Layer):
+        require_modern(
+            f"recomputing {name}, a tf.keras layer,",
+            "Upgrade TensorFlow (2.4 or newer: tf.keras, tf_keras or Keras 3), or on TensorFlow 1.14-2.1 "
+            "build the model with standalone Keras 2.3 (import keras).",
+        )
     if tf.executing_eagerly():
         require_modern(
             f"recomputing {name} in eager execution or a tf.function",
-            "Build the model in a graph: standalone Keras 2.3 (import keras), or tf.compat.v1 graph mode.",
+            "Build the model with standalone Keras 2.3 (import keras), which builds a graph, or upgrade TensorFlow.",
         )
     if tape_active():
         require_modern(
             f"recomputing {name} under a tf.GradientTape",
             "Take the gradient with tf.gradients (K.gradients, model.fit), or upgrade TensorFlow.",
-        )
-    tf_keras_layers = sys.modules.get("tensorflow.python.keras.engine.base_layer")
-    if tf_keras_layers is not None and isinstance(owner, tf_keras_layers.Layer):
-        require_modern(
-            f"recomputing {name}, a tf.keras layer,",
-            "Use standalone Keras 2.3 (import keras) on this TensorFlow, or upgrade TensorFlow.",
         )

@@ -9,14 +9,19 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.pop("RECOMPUTE", None)
 
-import keras  # noqa: E402
 import pytest  # noqa: E402
+
+try:
+    import keras  # noqa: E402
+except ImportError:  # TensorFlow 2.3 with its tf.keras only (test_tf_keras.py)
+    keras = None
 
 
 @pytest.fixture(autouse=True)
 def _fresh_graph(monkeypatch):
     """Each test builds in a new Keras graph and session, with RECOMPUTE unset."""
     monkeypatch.delenv("RECOMPUTE", raising=False)
-    keras.backend.clear_session()
+    backend = keras.backend if keras is not None else __import__("tensorflow").keras.backend
+    backend.clear_session()
     yield
-    keras.backend.clear_session()
+    backend.clear_session()

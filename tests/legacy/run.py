@@ -2,7 +2,7 @@
 
 ```
 python tests/legacy/run.py                # TF 1.15 and TF 2.1, each with Keras 2.3.1
-python tests/legacy/run.py --all          # and TF 1.14 and TF 2.0
+python tests/legacy/run.py --all          # and TF 1.14, TF 2.0, and TF 2.3 with its tf.keras (refused)
 python tests/legacy/run.py --envs tf1.14-keras2.3 -- -k batch_norm
 python tests/legacy/run.py --require      # CI: fail, not skip, without a Python 3.7
 ```
@@ -37,7 +37,10 @@ ENVIRONMENTS = {
     "tf2.1-keras2.3": ["tensorflow-cpu==2.1.4", "keras==2.3.1"],
     "tf1.14-keras2.3": ["tensorflow==1.14.0", "keras==2.3.1"],
     "tf2.0-keras2.3": ["tensorflow==2.0.4", "keras==2.3.1"],
+    "tf2.3-tf.keras": ["tensorflow-cpu==2.3.4"],  # no standalone Keras: its tf.keras is refused by name
 }
+# What each environment runs (default: all of tests/legacy).
+TESTS = {"tf2.3-tf.keras": [os.path.join("tests", "legacy", "test_tf_keras.py")]}
 DEFAULT = ["tf1.15-keras2.3", "tf2.1-keras2.3"]
 
 
@@ -64,7 +67,8 @@ def main(argv=None):
         print("\n===== legacy %s: %s =====" % (name, " ".join(ENVIRONMENTS[name])), flush=True)
         try:
             bin_dir = environment(python, name, args.cache)
-            command = [os.path.join(bin_dir, "python"), "-m", "pytest", os.path.join("tests", "legacy"), "-q", "-p", "no:cacheprovider"]
+            tests = TESTS.get(name, [os.path.join("tests", "legacy")])
+            command = [os.path.join(bin_dir, "python"), "-m", "pytest"] + tests + ["-q", "-p", "no:cacheprovider"]
             code = subprocess.call(command + args.pytest_args, cwd=ROOT, env=dict(os.environ, PYTHONNOUSERSITE="1"))
         except subprocess.CalledProcessError as error:
             print("could not build the environment: %s" % error, flush=True)
