@@ -172,12 +172,17 @@ class CallContext:
         if self._trains is None:
             self._trains = _trainability(self.owner)
         verdict = self._trains.get(id(variable))
-        if verdict is None and self.owner is not None:
-            # A sub-layer built in the first call made it after the first verdicts were read.
-            self._trains = _trainability(self.owner)
-            verdict = self._trains.get(id(variable))
         if verdict is None:
-            verdict = self._trains[id(variable)] = bool(getattr(variable, "trainable", True))
+            from keras_recompute.backends import _keras2
+
+            if _keras2.is_layer(self.owner):
+                # Keras 2.3 marks no variable non-trainable, so the fallback below would say
+                # "trains" for a BatchNorm statistic that a sub-layer built in the first call
+                # made after the verdicts were read: read them again.
+                self._trains = _keras2.trainability(self.owner)
+                verdict = self._trains.get(id(variable))
+        if verdict is None:
+            return bool(getattr(variable, "trainable", True))
         return verdict
 
 
