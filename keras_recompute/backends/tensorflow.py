@@ -69,28 +69,7 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full", offload
 
         return tensorflow_v1.recompute_call(fn, args, kwargs, context, check=check, policy=policy)
     name, owner = context.name, context.owner
-    structure = (args, kwargs)
-    leaves = tf.nest.flatten(structure)
-    positions = [i for i, leaf in enumerate(leaves) if _is_differentiable(leaf)]
-    # Tensors that are closed over rather than differentiated (token ids,
-    # boolean masks): the recompute makes them wait for the gradient too.
-    constant_positions = [
-        i for i, leaf in enumerate(leaves) if isinstance(leaf, tf.Tensor) and i not in positions
-    ]
-
-    def call_with(inputs, constants=None, wait=None):
-        """The call on `inputs`; with `wait`, the recompute: its fresh tensors get the call's masks."""
-        new_leaves = list(leaves)
-        for position, value in zip(positions, inputs):
-            new_leaves[position] = value
-        for position, value in zip(constant_positions, constants or ()):
-            new_leaves[position] = value
-        call_args, call_kwargs = tf.nest.pack_sequence_as(structure, new_leaves)
-        if wait is None:
-            _context.copy_masks(leaves, new_leaves)  # should TensorFlow have passed a copy
-            return fn(*call_args, **call_kwargs)
-        with context.masks_attached(call_args, call_kwargs, transform=wait):
-            return fn(*call_args, **call_kwargs)
+    leaves, positions, constant_positions, call_with = _arguments(fn, args, kwargs, context)
 
     tensor_leaves = [leaf for leaf in leaves if isinstance(leaf, tf.Tensor)]
     forward_wait = None
@@ -181,6 +160,39 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full", offload
         out_leaves[position] = value
     _context.copy_masks(forward["leaves"], out_leaves)
     return tf.nest.pack_sequence_as(forward["outputs"], out_leaves)
+
+
+def _arguments(fn, args, kwargs, context):
+    """A call's arguments as leaves, and a function that calls `fn` with some of them replaced.
+
+    Returns:
+        `(leaves, positions, constant_positions, call_with)`: the leaves of
+        `(args, kwargs)`; the positions of the float tensors (differentiated);
+        of the other tensors (token ids, boolean masks: closed over, and made
+        to wait for the gradient in the recompute too); and
+        `call_with(inputs, constants=None, wait=None)`, the call on `inputs`
+        (and `constants`) in their places; with `wait`, the recompute: its
+        fresh tensors get the call's masks.
+    """
+    structure = (args, kwargs)
+    leaves = tf.nest.flatten(structure)
+    positions = [i for i, leaf in enumerate(leaves) if _is_differentiable(leaf)]
+    constant_positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, tf.Tensor) and i not in positions]
+
+    def call_with(inputs, constants=None, wait=None):
+        new_leaves = list(leaves)
+        for position, value in zip(positions, inputs):
+            new_leaves[position] = value
+        for position, value in zip(constant_positions, constants or ()):
+            new_leaves[position] = value
+        call_args, call_kwargs = tf.nest.pack_sequence_as(structure, new_leaves)
+        if wait is None:
+            _context.copy_masks(leaves, new_leaves)  # should TensorFlow have passed a copy
+            return fn(*call_args, **call_kwargs)
+        with context.masks_attached(call_args, call_kwargs, transform=wait):
+            return fn(*call_args, **call_kwargs)
+
+    return leaves, positions, constant_positions, call_with
 
 
 class _ForwardReads:

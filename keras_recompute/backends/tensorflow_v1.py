@@ -33,7 +33,7 @@ import tensorflow as tf
 from keras_recompute import _context, _policy
 from keras_recompute.backends import _keras2
 from keras_recompute.backends._tf_private import require_modern, tape_active
-from keras_recompute.backends.tensorflow import _Expected, _ForwardReads, _Head, _is_differentiable, _waiter
+from keras_recompute.backends.tensorflow import _arguments, _Expected, _ForwardReads, _Head, _is_differentiable, _waiter
 
 # Each recomputed call registers a gradient function of its own, by name.
 _names = itertools.count()
@@ -52,22 +52,7 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full"):
     name, owner = context.name, context.owner
     _refuse_what_cannot_work(name, owner, policy)
     graph = tf.compat.v1.get_default_graph()
-    structure = (args, kwargs)
-    leaves = tf.nest.flatten(structure)
-    positions = [i for i, leaf in enumerate(leaves) if _is_differentiable(leaf)]
-    constant_positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, tf.Tensor) and i not in positions]
-
-    def call_with(inputs, constants=None, wait=None):
-        new_leaves = list(leaves)
-        for position, value in zip(positions, inputs):
-            new_leaves[position] = value
-        for position, value in zip(constant_positions, constants or ()):
-            new_leaves[position] = value
-        call_args, call_kwargs = tf.nest.pack_sequence_as(structure, new_leaves)
-        if wait is None:
-            return fn(*call_args, **call_kwargs)
-        with context.masks_attached(call_args, call_kwargs, transform=wait):
-            return fn(*call_args, **call_kwargs)
+    leaves, positions, constant_positions, call_with = _arguments(fn, args, kwargs, context)
 
     state = _keras2.capture(owner, name)
     reads = _ForwardReads(context.trains)
