@@ -31,6 +31,7 @@ works from the `CallContext` it returns instead of looking for it its own way.
 
 import contextlib
 import functools
+import sys
 
 
 def capture(fn, args, kwargs, name):
@@ -67,6 +68,24 @@ def find_owner(fn, args):
     return None
 
 
+def _keras2_layer(obj):
+    """Whether `obj` is a standalone Keras 2.3 layer (importing no framework: Keras 2.3 needs TensorFlow)."""
+    if "tensorflow" not in sys.modules:
+        return False
+    from keras_recompute.backends import _keras2
+
+    return _keras2.is_layer(obj)
+
+
+def _builtin_layer(obj):
+    """Whether `obj` is a layer of TensorFlow's own tf.keras before 2.4."""
+    if "tensorflow" not in sys.modules:
+        return False
+    from keras_recompute.backends import _tf_keras_builtin
+
+    return _tf_keras_builtin.is_layer(obj)
+
+
 def is_layer(obj):
     """Whether `obj` is a Keras 3 or a tf_keras layer, importing neither."""
     if obj is None or isinstance(obj, type):
@@ -75,9 +94,7 @@ def is_layer(obj):
 
     if _keras3.is_layer(obj):
         return True
-    from keras_recompute.backends import _keras2
-
-    if _keras2.is_layer(obj):
+    if _keras2_layer(obj) or _builtin_layer(obj):
         return True
     # tf_keras (Keras 2) by duck type: in a TF1-style graph its layers are
     # swapped onto `base_layer_v1.Layer`, which `tf_keras.layers.Layer` is not.
@@ -105,10 +122,14 @@ def children(layer):
 
     if _keras3.is_layer(layer):
         return _keras3.children(layer)
-    from keras_recompute.backends import _keras2
+    if _keras2_layer(layer):
+        from keras_recompute.backends import _keras2
 
-    if _keras2.is_layer(layer):
         return _keras2.children(layer)
+    if _builtin_layer(layer):
+        from keras_recompute.backends import _tf_keras_builtin
+
+        return _tf_keras_builtin.children(layer)
     from keras_recompute.backends import _tf_keras  # a tf_keras layer: TensorFlow is imported
 
     return _tf_keras.children(layer)
@@ -173,13 +194,12 @@ class CallContext:
             self._trains = _trainability(self.owner)
         verdict = self._trains.get(id(variable))
         if verdict is None:
-            from keras_recompute.backends import _keras2
-
-            if _keras2.is_layer(self.owner):
+            if _keras2_layer(self.owner) or _builtin_layer(self.owner):
                 # Keras 2.3 marks no variable non-trainable, so the fallback below would say
                 # "trains" for a BatchNorm statistic that a sub-layer built in the first call
-                # made after the verdicts were read: read them again.
-                self._trains = _keras2.trainability(self.owner)
+                # made after the verdicts were read (tf.keras before TF 2.4 keeps a frozen
+                # layer's flag on the layer, too): read them again.
+                self._trains = _trainability(self.owner)
                 verdict = self._trains.get(id(variable))
         if verdict is None:
             return bool(getattr(variable, "trainable", True))
@@ -266,10 +286,14 @@ def _trainability(owner):
 
     if _keras3.is_layer(owner):
         return _keras3.trainability(owner)
-    from keras_recompute.backends import _keras2
+    if _keras2_layer(owner):
+        from keras_recompute.backends import _keras2
 
-    if _keras2.is_layer(owner):
         return _keras2.trainability(owner)
+    if _builtin_layer(owner):
+        from keras_recompute.backends import _tf_keras_builtin
+
+        return _tf_keras_builtin.trainability(owner)
     if is_layer(owner):
         from keras_recompute.backends import _tf_keras
 

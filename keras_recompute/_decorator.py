@@ -141,6 +141,8 @@ def recompute_grad(fn=None, *, enabled=None, check=True, policy="full", offload=
         # __wrapped__ but honours __signature__.
         wrapper.__signature__ = signature
     setattr(wrapper, _MARK, True)
+    if "tensorflow" in sys.modules:  # NOTE [ AutoGraph before TensorFlow 2.4 ] in `_tf_private`
+        importlib.import_module("keras_recompute.backends._tf_private").leave_to_autograph(wrapper)
     return wrapper
 
 

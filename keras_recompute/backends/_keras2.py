@@ -325,6 +325,39 @@ def _drawn_in_branches(record):
         branch.append(record)
 
 
+def cond_exporting_draws(condition, true_fn, false_fn):
+    """`tf.compat.v1.cond(condition, true_fn, false_fn)`, whose draws recorded in `true_fn` can be read outside.
+
+    NOTE [ draws inside the learning phase's cond ]: the records of the draws
+    made in `true_fn` then hold extra outputs of the cond (empty in the
+    other branch); the cond's own outputs are what `true_fn` or `false_fn`
+    returns, a tensor or a structure of them.
+    """
+    records, structure = [], []
+
+    def trains():
+        branches = _local.__dict__.setdefault("branches", [])
+        branches.append(records)
+        try:
+            output = true_fn()
+        finally:
+            branches.remove(records)
+        structure.append(output)
+        return tf.nest.flatten(output) + [getattr(record, name) for record in records for name in _exported(record)]
+
+    def does_not_train():
+        empty = [_empty_like(getattr(record, name)) for record in records for name in _exported(record)]
+        return tf.nest.flatten(false_fn()) + empty
+
+    outputs = tf.compat.v1.cond(condition, trains, does_not_train, strict=True)  # a list, even of one
+    count = len(tf.nest.flatten(structure[0]))
+    exported = iter(outputs[count:])
+    for record in records:
+        for name in _exported(record):
+            setattr(record, name, next(exported))
+    return tf.nest.pack_sequence_as(structure[0], outputs[:count])
+
+
 def _wrap_in_train_phase(original):
     """NOTE [ draws inside the learning phase's cond ]."""
 
@@ -336,30 +369,11 @@ def _wrap_in_train_phase(original):
         condition = sys.modules["keras.backend"].learning_phase() if training is None else training
         if not isinstance(condition, tf.Tensor) or condition.shape.ndims != 0:
             return original(x, alt, training=training)  # a Python flag: no cond
-        records = []
-
-        def trains():
-            branches = _local.__dict__.setdefault("branches", [])
-            branches.append(records)
-            try:
-                output = x() if callable(x) else x
-            finally:
-                branches.remove(records)
-            return [output] + [getattr(record, name) for record in records for name in _exported(record)]
-
-        def does_not_train():
-            output = alt() if callable(alt) else alt
-            empty = [_empty_like(getattr(record, name)) for record in records for name in _exported(record)]
-            return [output] + empty
-
         if condition.dtype != tf.bool:
             condition = tf.cast(condition, tf.bool)
-        outputs = tf.compat.v1.cond(condition, trains, does_not_train, strict=True)  # a list, even of one
-        exported = iter(outputs[1:])
-        for record in records:
-            for name in _exported(record):
-                setattr(record, name, next(exported))
-        output = outputs[0]
+        output = cond_exporting_draws(
+            condition, lambda: x() if callable(x) else x, lambda: alt() if callable(alt) else alt
+        )
         if uses_learning_phase:
             output._uses_learning_phase = True
         return output

@@ -59,8 +59,9 @@ def require_modern(what, instead):
     if LEGACY:
         raise RecomputeError(
             f"keras_recompute: {what} needs TensorFlow {_MODERN[0]}.{_MODERN[1]} or newer; this is "
-            f"TensorFlow {tf.__version__}, where a recomputed call works only in a graph that "
-            f"tf.gradients differentiates (TF 1.x, or standalone Keras 2.3 on TF 2.0/2.1). {instead}"
+            f"TensorFlow {tf.__version__}, where a recomputed call works with policy=\"full\" in a graph "
+            "that tf.gradients differentiates (standalone Keras 2.3; TF 1.x) and, on TF 2.0-2.3, with "
+            f"tf.keras in eager execution and tf.function. {instead}"
         )
 
 
@@ -83,10 +84,88 @@ except (ImportError, AttributeError) as error:  # pragma: no cover - depends on 
     ) from error
 
 
+# NOTE [ AutoGraph before TensorFlow 2.4 ]
+# Before 2.4, a tf.keras layer's `call` is converted by AutoGraph, and so is
+# every function a converted one calls, ours included, with a warning for each
+# it cannot convert and its errors wrapped in a `StagingError`. A recomputed
+# call's wrapper is marked as converted already (`leave_to_autograph`), and
+# AutoGraph is told to call this package's functions as they are. The call's
+# own code then runs as written (its Python `if` on a tensor would raise in a
+# `tf.function`), as it does anyway once our code runs it unconverted.
+
+
+def leave_to_autograph(wrapper):
+    """Marks a recomputed call's wrapper so that AutoGraph before TensorFlow 2.4 calls it as it is."""
+    if LEGACY:
+        wrapper.__dict__["__ag_compiled"] = True  # TensorFlow 2.0-2.2's mark
+        wrapper.autograph_info__ = {}  # 2.3's
+
+
+if LEGACY:
+    try:
+        from tensorflow.python.autograph.core import config as _autograph_config
+        from tensorflow.python.autograph.core import config_lib as _autograph_rules
+
+        _autograph_config.CONVERSION_RULES = (
+            _autograph_rules.DoNotConvert("keras_recompute"),
+        ) + tuple(_autograph_config.CONVERSION_RULES)
+    except (ImportError, AttributeError):  # pragma: no cover - TF 1.14 has no such rules; it warns
+        pass
+
+
 def _record_operation(op_type, outputs, inputs, backward):
     if LEGACY:  # `record_operation` took no forward function then
         return _RECORD(op_type, outputs, inputs, backward)
     return _RECORD(op_type, outputs, inputs, backward_function=backward, forward_function=lambda x: [x])
+
+
+def custom_gradient(f, variables_of):
+    """`tf.custom_gradient(f)`; before TensorFlow 2.4 the variables differentiated are `variables_of()`.
+
+    NOTE [ custom gradients before TensorFlow 2.4 ]
+    Before 2.4, `tf.custom_gradient` finds the variables a function read with
+    a `GradientTape` around it, which sees nothing of a forward run under
+    `stop_recording` (a recomputed call's): their gradients would be missing,
+    silently. There the custom gradient is recorded here, as TensorFlow's own
+    eager decorator records it, with the variables `variables_of()` names,
+    called after the forward (the recomputed call's layer's trained weights,
+    and the reads the hook saw in a graph); the recompute refuses a trained
+    variable read outside them (`tensorflow._refuse_unseen_variables`). The
+    gradient is recorded on the tapes only: on these versions the TF2 path
+    serves eager execution and `tf.function` under a tape, and a graph that
+    `tf.gradients` differentiates takes the graph path.
+
+    Args:
+        f: a function of tensors returning `(outputs, grad)`, as for
+            `tf.custom_gradient`; `grad(*upstream, variables=...)` returns the
+            gradients of the inputs and of the variables.
+        variables_of: a function of no argument returning the variables.
+    """
+    if not LEGACY:
+        return tf.custom_gradient(f)
+
+    def decorated(*args):
+        outputs, grad = f(*args)
+        variables = [v for v in variables_of() if all(v is not arg for arg in args)]
+        with stop_recording():
+            flat = [tf.raw_ops.Identity(input=x) for x in tf.nest.flatten(outputs)]
+        inputs = [tf.convert_to_tensor(x) for x in args] + [tf.convert_to_tensor(v) for v in variables]
+
+        def backward(*upstream):
+            input_grads, variable_grads = grad(*upstream, variables=variables)
+            return list(tf.nest.flatten(input_grads)) + list(variable_grads)
+
+        _record_operation("RecomputeGrad", flat, inputs, backward)
+        return tf.nest.pack_sequence_as(outputs, flat)
+
+    return decorated
+
+
+def tf_2_behavior():
+    """Whether TensorFlow runs eagerly outside functions here (TF 2's way): a graph is a `tf.function`'s."""
+    from tensorflow.python.framework import ops
+
+    return ops.executing_eagerly_outside_functions()
 
 
 def tape_active():
@@ -192,4 +271,15 @@ def _hook_reads():
     _hooked.append(base)
 
 
-__all__ = ["LEGACY", "TF_VERSION", "TESTED_VERSIONS", "require_modern", "stop_recording", "tape_active", "variable_reads"]
+__all__ = [
+    "LEGACY",
+    "TF_VERSION",
+    "TESTED_VERSIONS",
+    "custom_gradient",
+    "leave_to_autograph",
+    "require_modern",
+    "stop_recording",
+    "tape_active",
+    "tf_2_behavior",
+    "variable_reads",
+]

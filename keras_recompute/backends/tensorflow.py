@@ -35,8 +35,52 @@ import tensorflow as tf
 
 from keras_recompute import _context, _policy
 from keras_recompute._errors import RecomputeError
-from keras_recompute.backends import _keras3, _tf_keras
-from keras_recompute.backends._tf_private import LEGACY, require_modern, stop_recording, variable_reads
+from keras_recompute.backends import _keras2, _keras3, _tf_keras, _tf_keras_builtin
+from keras_recompute.backends._tf_private import (
+    LEGACY,
+    TF_VERSION,
+    custom_gradient,
+    require_modern,
+    stop_recording,
+    tf_2_behavior,
+    variable_reads,
+)
+
+
+def _read_variables(context, reads):
+    """The trained variables a call's forward may have read: its layer's, and those the read hook saw.
+
+    Only for TensorFlow before 2.4 (NOTE [ custom gradients before TensorFlow 2.4 ] in `_tf_private`).
+    """
+    found = {}
+    owner = context.owner
+    candidates = list(owner.weights) if _context.is_layer(owner) else []
+    for variable in candidates + reads.variables():
+        if context.trains(variable):
+            variable = getattr(variable, "_variable", variable)  # an AutoCastVariable's: a tape watches that
+            found.setdefault(id(variable), variable)
+    return list(found.values())
+
+
+def _refuse_unseen_variables(tape, variables, context):
+    """Raises if the recompute read a trained variable the custom gradient does not differentiate.
+
+    Before TensorFlow 2.4 the variables of a recomputed call are its layer's
+    and those the read hook saw; eager ops read through a path no hook sees, so
+    a trained variable from elsewhere (one a call closes over) would get no
+    gradient: the tape of the recompute, which watches what it reads, finds it.
+    """
+    given = set()
+    for variable in variables:
+        given.update((id(variable), id(getattr(variable, "_variable", variable))))
+    for variable in tape.watched_variables():
+        if id(variable) not in given and context.trains(variable):
+            require_modern(
+                f"recomputing {context.name}, which reads {variable.name!r}, a trained variable that is "
+                "not one of its layer's weights, in eager execution,",
+                "Track the variable on the layer (set it as an attribute), run the step in a tf.function, "
+                "or upgrade TensorFlow.",
+            )
 
 
 def _is_differentiable(value):
@@ -64,10 +108,13 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full", offload
     """
     if offload:
         raise ValueError(_policy.offload_refused_message(context.name, "tensorflow"))
-    if LEGACY:  # NOTE [ TensorFlow versions ] in `_tf_private`
-        from keras_recompute.backends import tensorflow_v1
+    graph_path = TF_VERSION < (2, 0) or _keras2.is_layer(context.owner) or not tf_2_behavior()
+    if LEGACY and graph_path:
+        from keras_recompute.backends import tensorflow_v1  # NOTE [ TensorFlow versions ] in `_tf_private`
 
         return tensorflow_v1.recompute_call(fn, args, kwargs, context, check=check, policy=policy)
+    if LEGACY and policy != _policy.FULL:
+        require_modern(f'policy="{policy}" ({context.name})', 'Use policy="full" here, or upgrade TensorFlow.')
     name, owner = context.name, context.owner
     leaves, positions, constant_positions, call_with = _arguments(fn, args, kwargs, context)
 
@@ -76,8 +123,11 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full", offload
     if tensor_leaves and not tf.executing_eagerly():
         forward_wait = _waiter(tensor_leaves[:1])
     keras_state = _keras3.capture(owner, tf.convert_to_tensor, forward_wait)
-    legacy_state = None if _keras3.is_layer(owner) else _tf_keras.capture(owner, name)
-    loss_lists = _keras3.loss_lists(owner) or _tf_keras.loss_lists(owner)
+    if _tf_keras_builtin.loaded():  # TensorFlow's own tf.keras before 2.4
+        legacy_state, loss_lists = _tf_keras_builtin.capture(owner, name), _tf_keras_builtin.loss_lists(owner)
+    else:
+        legacy_state = None if _keras3.is_layer(owner) else _tf_keras.capture(owner, name)
+        loss_lists = _keras3.loss_lists(owner) or _tf_keras.loss_lists(owner)
     dots = _KeptDots(owner, name, context.trains) if policy == _policy.SAVE_DOTS else None
     masks = _KeptMasks() if _policy.keeps_dropout_masks(policy) and _keras3.is_layer(owner) else None
     reads = _ForwardReads(context.trains)
@@ -85,7 +135,6 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full", offload
     # which leave the custom gradient by this side door.
     forward = {}
 
-    @tf.custom_gradient
     def checkpointed(*inputs):
         loss_counts = [len(losses) for losses in loss_lists]
         with stop_recording(), (legacy_state.forward() if legacy_state else contextlib.nullcontext()):
@@ -115,7 +164,7 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full", offload
             replay_inputs = [wait(x) for x in inputs]
             constants = [wait(leaves[i]) for i in constant_positions]
             state = keras_state and keras_state.map_values(wait)
-            with tf.GradientTape(watch_accessed_variables=False) as tape:
+            with tf.GradientTape(watch_accessed_variables=LEGACY) as tape:
                 tape.watch(replay_inputs)
                 tape.watch(trainable)
                 keras_replay = _keras3.replay(state, owner)
@@ -124,6 +173,8 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full", offload
                     with dots.replaying(wait) if dots else contextlib.nullcontext():
                         with masks.replaying() if masks else contextlib.nullcontext():
                             replayed = call_with(replay_inputs, constants, wait)
+            if LEGACY:
+                _refuse_unseen_variables(tape, variables, context)
             replayed_heads, checks = expected.compare(tf.nest.flatten(replayed), name)
             replayed_losses = [
                 loss
@@ -150,7 +201,7 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full", offload
         added_losses = [losses[index] for losses, index in added]
         return _Head.differentiated(heads) + added_losses, grad
 
-    results = checkpointed(*[leaves[i] for i in positions])
+    results = custom_gradient(checkpointed, lambda: _read_variables(context, reads))(*[leaves[i] for i in positions])
     heads = forward["heads"]
     count = len(_Head.differentiated(heads))
     for (losses, index), loss in zip(forward["added"], results[count:]):
@@ -235,12 +286,14 @@ class _ForwardReads:
         self._trains = trains
         self._graph = None
         self._reads = {}  # id(variable) -> the forward's reads of it, in order
+        self._variables = {}  # id(variable) -> the variable
         self._positions = {}
         self._deciding = False
 
     @contextlib.contextmanager
     def recording(self):
         self._reads.clear()
+        self._variables.clear()
         self._graph = tf.compat.v1.get_default_graph()
         with contextlib.nullcontext() if tf.executing_eagerly() else variable_reads(self._record):
             yield
@@ -262,7 +315,12 @@ class _ForwardReads:
             self._deciding = False
         if trains:
             self._reads.setdefault(id(variable), []).append(value)
+            self._variables[id(variable)] = variable
         return value
+
+    def variables(self):
+        """The trained variables the forward read (in a graph; eager reads are not seen)."""
+        return list(self._variables.values())
 
     def _replay(self, variable, read):
         reads = self._reads.get(id(variable))
@@ -747,7 +805,8 @@ def _waiter(upstream):
     gradient would be counted twice.
     """
     if tf.executing_eagerly():
-        return tf.identity
+        # TensorFlow 2.0's eager tf.identity hands back its input: the op is run instead.
+        return (lambda tensor: tf.raw_ops.Identity(input=tensor)) if LEGACY else tf.identity
     gradient = upstream[0]
     if gradient.dtype == tf.bool:  # a forward's first tensor may be a mask (Embedding(mask_zero=True))
         gradient = tf.cast(gradient, tf.int8)

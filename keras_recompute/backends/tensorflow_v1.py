@@ -26,12 +26,11 @@ tape (blind while recording is stopped) and records nothing for the
 
 import contextlib
 import itertools
-import sys
 
 import tensorflow as tf
 
 from keras_recompute import _context, _policy
-from keras_recompute.backends import _keras2
+from keras_recompute.backends import _keras2, _tf_keras_builtin
 from keras_recompute.backends._tf_private import require_modern, tape_active
 from keras_recompute.backends.tensorflow import _arguments, _Expected, _ForwardReads, _Head, _is_differentiable, _waiter
 
@@ -54,7 +53,7 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full"):
     graph = tf.compat.v1.get_default_graph()
     leaves, positions, constant_positions, call_with = _arguments(fn, args, kwargs, context)
 
-    state = _keras2.capture(owner, name)
+    state = _tf_keras_builtin.capture(owner, name) if _tf_keras_builtin.is_layer(owner) else _keras2.capture(owner, name)
     reads = _ForwardReads(context.trains)
     first = graph._last_id
     with state.forward() if state else contextlib.nullcontext(), reads.recording():
@@ -136,13 +135,6 @@ def _read_from_outside(graph, first, last, inputs):
 def _refuse_what_cannot_work(name, owner, policy):
     if policy != _policy.FULL:
         require_modern(f'policy="{policy}" ({name})', 'Use policy="full" here, or upgrade TensorFlow.')
-    tf_keras_layers = sys.modules.get("tensorflow.python.keras.engine.base_layer")
-    if tf_keras_layers is not None and isinstance(owner, tf_keras_layers.Layer):
-        require_modern(
-            f"recomputing {name}, a tf.keras layer,",
-            "Upgrade TensorFlow (2.4 or newer: tf.keras, tf_keras or Keras 3), or on TensorFlow 1.14-2.1 "
-            "build the model with standalone Keras 2.3 (import keras).",
-        )
     if tf.executing_eagerly():
         require_modern(
             f"recomputing {name} in eager execution or a tf.function",

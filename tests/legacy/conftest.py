@@ -19,9 +19,11 @@ except ImportError:  # TensorFlow 2.3 with its tf.keras only (test_tf_keras.py)
 
 @pytest.fixture(autouse=True)
 def _fresh_graph(monkeypatch):
-    """Each test builds in a new Keras graph and session, with RECOMPUTE unset."""
+    """Each test builds in a new graph and session (standalone Keras's and tf.keras's), with RECOMPUTE unset."""
     monkeypatch.delenv("RECOMPUTE", raising=False)
-    backend = keras.backend if keras is not None else __import__("tensorflow").keras.backend
-    backend.clear_session()
+    backends = [__import__("tensorflow").keras.backend] + ([keras.backend] if keras is not None else [])
+    for backend in backends:
+        backend.clear_session()
     yield
-    backend.clear_session()
+    for backend in backends:
+        backend.clear_session()

@@ -1,8 +1,12 @@
-"""TensorFlow 2.2/2.3 with its own tf.keras (no standalone Keras): refused by name, never trained wrong.
+"""TensorFlow 2.0-2.3 with its own tf.keras: eager, `tf.function` and `fit` against a plain twin.
 
-The TF2 path needs TensorFlow 2.4's APIs; the graph path serves standalone
-Keras 2.3. A tf.keras layer here gets `RecomputeError` saying what to upgrade,
-eagerly, in `fit` (where autograph wraps it) and in a TF1-style graph alike.
+The twins are built from the same weights, with recompute off and on, and
+their Dropout layers have seeds: each step runs after `tf.random.set_seed(0)`
+(eager), or in a function of its own whose dropout ops start from the same
+seeds (`tf.function`, `fit`), so both twins draw the same masks in their
+forwards and a recompute that drew again would draw others. Updates are
+compared as NOTE [ comparing updates, not losses ] in `tests/_updates.py`
+says: SGD at lr 1.0, each weight's first update, the step repeated.
 """
 
 import numpy as np
@@ -11,30 +15,289 @@ import tensorflow as tf
 
 from keras_recompute import RecomputeError, recompute_grad, recompute_scope
 
-pytestmark = pytest.mark.skipif(not tf.__version__.startswith(("2.2", "2.3")), reason="TensorFlow 2.2 or 2.3")
+pytestmark = pytest.mark.skipif(not tf.__version__.startswith(("2.0", "2.1", "2.2", "2.3")), reason="TF 2.0-2.3")
+
+layers = tf.keras.layers
+HIDDEN = 16
+TRIALS = 10
 
 
-class Recomputed(tf.keras.layers.Dense):
-    @recompute_grad
-    def call(self, inputs):
-        return super().call(inputs)
+class Block(layers.Layer):
+    """Dense, Dropout, Dense, a residual; optionally BatchNormalization; counts its calls."""
+
+    calls = 0
+
+    def __init__(self, rate=0.3, batch_norm=False, seed=1, **kwargs):
+        super(Block, self).__init__(**kwargs)
+        self.inner = layers.Dense(4 * HIDDEN, activation="tanh")
+        self.drop = layers.Dropout(rate, seed=seed)
+        self.outer = layers.Dense(HIDDEN)
+        self.norm = layers.BatchNormalization() if batch_norm else None
+        self.supports_masking = True
+
+    def call(self, inputs, training=None, mask=None):
+        Block.calls += 1
+        h = self.outer(self.drop(self.inner(inputs), training=training))
+        if self.norm is not None:
+            h = self.norm(h, training=training)
+        if mask is not None:
+            h *= tf.cast(mask, h.dtype)[..., None]
+        return inputs + h
 
 
-@pytest.mark.parametrize("how", ["eager", "fit"])
-def test_a_tf_keras_layer_is_refused_naming_the_upgrade(how):
-    model = tf.keras.Sequential([Recomputed(4, input_shape=(3,)), tf.keras.layers.Dense(1)])
-    x, y = np.ones((2, 3), "float32"), np.ones((2, 1), "float32")
-    with recompute_scope(True), pytest.raises(Exception) as raised:
+class SelfAttention(layers.Layer):
+    """Takes [q, k, v]: the model passes one tensor three times; masks the padded keys."""
+
+    def __init__(self, **kwargs):
+        super(SelfAttention, self).__init__(**kwargs)
+        small = tf.keras.initializers.RandomNormal(stddev=0.1, seed=1)
+        self.q = layers.Dense(HIDDEN, kernel_initializer=small)
+        self.k = layers.Dense(HIDDEN, kernel_initializer=small)
+        self.v = layers.Dense(HIDDEN)
+        self.supports_masking = True
+
+    def call(self, inputs, mask=None):
+        q, k, v = inputs
+        scores = tf.matmul(self.q(q), self.k(k), transpose_b=True) / np.sqrt(HIDDEN)
+        if mask is not None and mask[1] is not None:
+            scores -= (1.0 - tf.cast(mask[1], scores.dtype))[:, None, :] * 1e4
+        return tf.matmul(tf.nn.softmax(scores), self.v(v))
+
+    def compute_mask(self, inputs, mask=None):
+        return mask[0] if mask else None
+
+
+class RecomputedBlock(Block):
+    @recompute_grad(enabled=True)  # whatever RECOMPUTE says
+    def call(self, inputs, training=None, mask=None):
+        return super(RecomputedBlock, self).call(inputs, training=training, mask=mask)
+
+
+class RecomputedAttention(SelfAttention):
+    @recompute_grad(enabled=True)
+    def call(self, inputs, mask=None):
+        return super(RecomputedAttention, self).call(inputs, mask=mask)
+
+
+def _model(recompute, blocks=3, seq=None, batch_norm=False, attention=False, rate=0.3):
+    tf.random.set_seed(0)
+    if seq is None:
+        inputs = layers.Input((HIDDEN,))
+        h = layers.Dense(HIDDEN)(inputs)
+    else:
+        inputs = layers.Input((seq,), dtype="int32")
+        unit = tf.keras.initializers.RandomNormal(stddev=1.0, seed=2)
+        h = layers.Embedding(50, HIDDEN, embeddings_initializer=unit, mask_zero=True)(inputs)
+    for index in range(blocks):
+        if attention:
+            h = (RecomputedAttention if recompute else SelfAttention)()([h, h, h])
+        h = (RecomputedBlock if recompute else Block)(rate=rate, batch_norm=batch_norm, seed=index + 1)(h)
+    if seq is not None:
+        h = layers.GlobalAveragePooling1D()(h)
+    return tf.keras.Model(inputs, layers.Dense(1)(h))
+
+
+def _twins(**options):
+    """Two models of the same weights; the second one's blocks recompute (when recompute is on)."""
+    plain = _model(False, **options)
+    recomputed = _model(True, **options)
+    recomputed.set_weights(plain.get_weights())
+    return plain, recomputed
+
+
+def _data(seq=None, batch=8):
+    random = np.random.RandomState(0)
+    if seq is None:
+        x = random.randn(batch, HIDDEN).astype("float32")
+    else:
+        x = random.randint(1, 50, size=(batch, seq)).astype("int32")
+        x[:, seq - 2 :] = 0  # padding the mask hides
+    return x, random.randn(batch, 1).astype("float32")
+
+
+def _normwise(got, want):
+    got = np.concatenate([np.ravel(g) for g in got])
+    want = np.concatenate([np.ravel(w) for w in want])
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
+def _gradients(model, x, y, training=True):
+    """The gradients of the input (a float one) and of every trainable weight."""
+    x = tf.convert_to_tensor(x)
+    with tf.GradientTape() as tape:
+        if x.dtype.is_floating:
+            tape.watch(x)
+        output = tf.cast(model(x, training=training), tf.float32)
+        loss = tf.reduce_mean(tf.square(output - y))
+    sources = ([x] if x.dtype.is_floating else []) + model.trainable_weights
+    return [tf.convert_to_tensor(g).numpy() for g in tape.gradient(loss, sources)]
+
+
+def _first_updates(model, x, y, how, trials=TRIALS):
+    """Each weight's first update under SGD at lr 1.0, `trials` times from the same weights."""
+    optimizer = tf.keras.optimizers.SGD(1.0)
+    start = model.get_weights()
+    if how == "fit":
+        model.compile(optimizer, "mse")
+
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x, training=True) - y))
+        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_weights), model.trainable_weights))
+
+    function = tf.function(step)
+    updates = []
+    for _ in range(trials):
+        model.set_weights(start)
         if how == "eager":
-            model(x)
+            tf.random.set_seed(0)
+            step()
+        elif how == "function":
+            function()
         else:
-            model.compile("sgd", "mse")
-            model.fit(x, y, verbose=0)
-    message = str(raised.value)
-    assert "a tf.keras layer, needs TensorFlow 2.4 or newer" in message and "Upgrade TensorFlow" in message
-    assert isinstance(raised.value, RecomputeError) or "RecomputeError" in message  # autograph wraps it in fit
+            model.fit(x, y, batch_size=len(x), epochs=1, shuffle=False, verbose=0)
+        updates.append([after - before for after, before in zip(model.get_weights(), start)])
+    model.set_weights(start)
+    return updates
+
+
+CASES = [dict(), dict(batch_norm=True), dict(seq=6, attention=True), dict(rate=0.0)]
+CASE_IDS = ["dropout", "batch_norm", "masked_attention", "no_dropout"]
+
+
+@pytest.mark.parametrize("how", ["eager", "function", "fit"])
+@pytest.mark.parametrize("options", CASES, ids=CASE_IDS)
+def test_first_updates_equal_plain_in_every_repeat(options, how):
+    """Every weight's update (BatchNorm's statistics included) is plain's, in every repeat."""
+    x, y = _data(options.get("seq"))
+    plain, recomputed = _twins(**options)
+    calls = Block.calls
+    want = _first_updates(plain, x, y, how)
+    plain_calls, calls = Block.calls - calls, Block.calls
+    got = _first_updates(recomputed, x, y, how)
+    # Eagerly each step calls each block, traced each trace does: the recompute calls it again.
+    assert Block.calls - calls == 2 * plain_calls > 0, "each block's forward, then its recompute"
+    assert all(np.abs(w).max() > 0 for w in want[0] if w.ndim == 2)  # every kernel moves
+    errors = [_normwise(mine, theirs) for mine, theirs in zip(got, want)]
+    assert max(errors) <= 1e-6, errors
+    if options.get("rate", 0.3) and how != "eager":
+        assert _normwise(want[1], want[0]) > 1e-3, "each repeat draws new masks"
+
+
+@pytest.mark.parametrize("options", [dict(), dict(batch_norm=True)], ids=["dropout", "batch_norm"])
+def test_gradients_of_inputs_and_weights_equal_plain_training_or_not(options):
+    x, y = _data()
+    plain, recomputed = _twins(**options)
+    for training in (True, False):
+        tf.random.set_seed(0)
+        want = _gradients(plain, x, y, training)
+        tf.random.set_seed(0)
+        got = _gradients(recomputed, x, y, training)
+        assert len(got) == 1 + len(recomputed.trainable_weights)
+        assert all(np.abs(g).max() > 0 for g in got)
+        assert _normwise(got, want) <= 1e-6, training
+
+
+def test_batch_norm_statistics_move_once():
+    x, y = _data()
+    plain, recomputed = _twins(batch_norm=True)
+    for model in (plain, recomputed):
+        tf.random.set_seed(0)
+        _gradients(model, x, y)
+    for got, want in zip(recomputed.get_weights(), plain.get_weights()):
+        np.testing.assert_array_equal(got, want)
+    assert all(np.abs(w.numpy()).max() > 0 for w in plain.non_trainable_weights)  # the statistics moved
+
+
+def test_a_frozen_block_and_a_frozen_kernel_train_as_plain():
+    x, y = _data()
+    plain, recomputed = _twins()
+    for model in (plain, recomputed):
+        model.layers[2].trainable = False  # the first block
+        model.layers[3].inner.trainable = False  # the second block's first Dense
+    want = _first_updates(plain, x, y, "function", trials=2)
+    got = _first_updates(recomputed, x, y, "function", trials=2)
+    assert max(_normwise(mine, theirs) for mine, theirs in zip(got, want)) <= 1e-6
+    frozen = {id(w) for w in plain.layers[2].weights + plain.layers[3].inner.weights}
+    assert all(not np.any(u) for u, w in zip(want[0], plain.weights) if id(w) in frozen)
+
+
+def test_mixed_float16_gradients_equal_plain():
+    from tensorflow.keras.mixed_precision import experimental as mixed_precision
+
+    mixed_precision.set_policy("mixed_float16")
+    try:
+        x, y = _data()
+        plain, recomputed = _twins()
+        tf.random.set_seed(0)
+        want = _gradients(plain, x, y)
+        tf.random.set_seed(0)
+        got = _gradients(recomputed, x, y)
+    finally:
+        mixed_precision.set_policy("float32")
+    assert recomputed.layers[2].inner.kernel.dtype == tf.float32  # float32 weights, read in float16
+    assert _normwise(got, want) == 0.0
+
+
+def test_the_recompute_is_checked():
+    """A call that draws other random values in its recompute raises, naming the layer."""
+
+    class Noisy(layers.Layer):
+        @recompute_grad(enabled=True)
+        def call(self, inputs):
+            return inputs * tf.random.uniform(tf.shape(inputs))
+
+    model = tf.keras.Sequential([layers.Dense(HIDDEN, input_shape=(HIDDEN,)), Noisy(name="noisy")])
+    with pytest.raises(RecomputeError, match="noisy.*differ from its forward"):
+        _gradients(model, *_data())
+
+
+def test_a_trained_variable_the_layer_does_not_track_is_refused_eagerly():
+    """Eager ops read variables where no hook sees them: one the call closes over would get no gradient."""
+    hidden = tf.Variable(tf.ones((HIDDEN, HIDDEN)), name="closed_over")
+
+    class Closing(layers.Layer):
+        @recompute_grad(enabled=True)
+        def call(self, inputs):
+            return tf.matmul(inputs, hidden)
+
+    model = tf.keras.Sequential([layers.Dense(HIDDEN, input_shape=(HIDDEN,)), Closing(name="closing")])
+    x, y = _data()
+    with pytest.raises(RecomputeError, match="closing.*'closed_over:0'.*Track the variable on the layer"):
+        _gradients(model, x, y)
+    # In a tf.function the read hook sees it: its gradient is plain's.
+    plain = tf.keras.Sequential([model.layers[0], layers.Lambda(lambda h: tf.matmul(h, hidden))])
+
+    def gradients(model):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(x) ** 2)
+        return tape.gradient(loss, [hidden] + model.trainable_weights)
+
+    want = tf.function(lambda: gradients(plain))()
+    got = tf.function(lambda: gradients(model))()
+    assert _normwise([g.numpy() for g in got], [g.numpy() for g in want]) <= 1e-6
+
+
+def test_save_dots_names_what_to_use():
+    class Dots(layers.Dense):
+        @recompute_grad(policy="save_dots", enabled=True)
+        def call(self, inputs):
+            return super(Dots, self).call(inputs)
+
+    with pytest.raises(RecomputeError, match='policy="save_dots".*needs TensorFlow 2.4.*Use policy="full"'):
+        tf.keras.Sequential([Dots(4)])(np.ones((2, 3), "float32"))
 
 
 def test_off_it_is_the_plain_layer():
-    model = tf.keras.Sequential([Recomputed(4, input_shape=(3,), kernel_initializer="ones"), tf.keras.layers.Dense(1)])
-    np.testing.assert_allclose(model.layers[0](np.ones((1, 3), "float32")).numpy(), 3 * np.ones((1, 4)))
+    class Switched(Block):
+        @recompute_grad
+        def call(self, inputs, training=None, mask=None):
+            return super(Switched, self).call(inputs, training=training, mask=mask)
+
+    model = tf.keras.Sequential([Switched(input_shape=(HIDDEN,))])
+    x, y = _data()
+    for recompute, calls in ((False, 1), (True, 2)):
+        before = Block.calls
+        with recompute_scope(recompute):
+            _gradients(model, x, y)
+        assert Block.calls - before == calls, recompute
