@@ -1,7 +1,7 @@
 """Private TensorFlow APIs and TensorFlow's versions: the one place that touches them.
 
-Tested on TensorFlow 2.21 (tensorflow-cpu wheel), and on 1.14, 1.15, 2.0 and
-2.1 (Python 3.7, `tests/legacy/run.py`). What is used:
+Tested on TensorFlow 2.21 (tensorflow-cpu wheel), and on 1.14, 1.15, 2.0, 2.1
+and 2.3 (Python 3.7, `tests/legacy/run.py`). What is used:
 `tensorflow.python.eager.record` (`stop_recording`, `record_operation`; in
 `tape` before it), and `resource_variable_ops` (`variable_accessed`, and
 `BaseResourceVariable`'s `_read_variable_op`, `sparse_read` and `gather_nd`,
@@ -11,13 +11,18 @@ error that names it instead of a wrong gradient.
 NOTE [ TensorFlow versions ]
 TensorFlow 2.4 and newer take the TF2 path (`backends/tensorflow.py`): a
 custom gradient that any tape or `tf.gradients` differentiates, in eager
-mode, `tf.function` and XLA. Before 2.4 (`LEGACY`), a recomputed call is
-served in a graph differentiated by `tf.gradients` only: TF 1.x graphs
-(standalone Keras 2.3 or tf.keras) and standalone Keras 2.3's graph on TF
-2.0/2.1 (`backends/tensorflow_v1.py`). What that path cannot serve there
-(eager execution, a `GradientTape`, `"save_dots"`, `offload=`, memory
-planning) raises `RecomputeError` naming the TensorFlow version and what to
-use instead (`require_modern`).
+mode, `tf.function` and XLA. Before 2.4 (`LEGACY`):
+  * a graph that `tf.gradients` differentiates takes the graph path
+    (`backends/tensorflow_v1.py`): TF 1.x graphs (standalone Keras 2.3 or
+    TF 1.x's tf.keras), and standalone Keras 2.3's own graph on TF 2.0/2.1;
+  * on TF 2.0-2.3, TensorFlow's own tf.keras in eager execution and
+    `tf.function` (`fit`) takes the TF2 path, with a custom gradient recorded
+    here (NOTE [ custom gradients before TensorFlow 2.4 ]) and tf.keras's
+    state kept by `_tf_keras_builtin`.
+What neither serves there (`"save_dots"`, `offload=`, memory planning, a
+`GradientTape` around standalone Keras 2.3, eager execution on TF 1.x)
+raises `RecomputeError` naming the TensorFlow version and what to use
+instead (`require_modern`).
 """
 
 import contextlib
@@ -27,7 +32,7 @@ import tensorflow as tf
 
 from keras_recompute._errors import RecomputeError
 
-TESTED_VERSIONS = "2.21 (TF2 path); 1.14, 1.15, 2.0, 2.1 (graph path)"
+TESTED_VERSIONS = "2.21; 1.14, 1.15, 2.0, 2.1, 2.3"
 _MODERN = (2, 4)
 _OLDEST = (1, 14)
 
@@ -60,8 +65,8 @@ def require_modern(what, instead):
         raise RecomputeError(
             f"keras_recompute: {what} needs TensorFlow {_MODERN[0]}.{_MODERN[1]} or newer; this is "
             f"TensorFlow {tf.__version__}, where a recomputed call works with policy=\"full\" in a graph "
-            "that tf.gradients differentiates (standalone Keras 2.3; TF 1.x) and, on TF 2.0-2.3, with "
-            f"tf.keras in eager execution and tf.function. {instead}"
+            "that tf.gradients differentiates (standalone Keras 2.3; TF 1.x's tf.keras) and, on TF 2.0-2.3, "
+            f"with tf.keras in eager execution and tf.function. {instead}"
         )
 
 

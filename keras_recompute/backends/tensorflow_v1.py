@@ -2,9 +2,10 @@
 
 NOTE [ recompute in a tf.gradients graph ]
 Before TensorFlow 2.4 (NOTE [ TensorFlow versions ] in `_tf_private`) a
-recomputed call is served in the graphs that `tf.gradients` differentiates:
-TF 1.x graphs, and standalone Keras 2.3's own graph on TF 2.0/2.1 (its
-`fit` and `K.gradients` call `tf.gradients`). The forward builds the call's
+recomputed call in a graph that `tf.gradients` differentiates is served
+here: TF 1.x graphs (standalone Keras 2.3, or TF 1.x's own tf.keras), and
+standalone Keras 2.3's own graph on TF 2.0/2.1 (its `fit` and `K.gradients`
+call `tf.gradients`). The forward builds the call's
 ops as they are. Its float outputs, its float inputs, and every float
 tensor and variable handle its ops read from outside the call (a variable
 it reads, a reference variable's snapshot, a tensor it closes over) pass
@@ -15,7 +16,8 @@ forward has used them. Our gradient builds the call again, on its inputs
 made to wait for the incoming gradient (NOTE [ ordering the recompute in
 graphs ] in `tensorflow`), reading the forward's variable reads (NOTE [ a
 recompute reads what its forward read ]) and its random draws (NOTE
-[ standalone Keras random draws ] in `_keras2`), and differentiates it with
+[ standalone Keras random draws ] in `_keras2`, NOTE [ tf.keras random
+draws before TensorFlow 2.4 ] in `_tf_keras_builtin`), and differentiates it with
 `tf.gradients` into each tensor that entered the `IdentityN`, each as a
 partial derivative (the others held constant), which the outer gradient
 carries on: every source the plain call's gradient reaches gets its part. TensorFlow's
@@ -45,8 +47,8 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full"):
 
     Raises:
         RecomputeError: for what this TensorFlow cannot serve (eager
-            execution, a `GradientTape`, another policy, a tf.keras layer),
-            naming what to use instead.
+            execution on TF 1.x, a `GradientTape`, another policy), naming
+            what to use instead.
     """
     name, owner = context.name, context.owner
     _refuse_what_cannot_work(name, owner, policy)
@@ -138,7 +140,8 @@ def _refuse_what_cannot_work(name, owner, policy):
     if tf.executing_eagerly():
         require_modern(
             f"recomputing {name} in eager execution or a tf.function",
-            "Build the model with standalone Keras 2.3 (import keras), which builds a graph, or upgrade TensorFlow.",
+            "Build the model in a graph (TensorFlow 1.x's default), or use TensorFlow 2.0 or newer, where "
+            "tf.keras recomputes eagerly and in a tf.function.",
         )
     if tape_active():
         require_modern(

@@ -1,8 +1,8 @@
-"""Runs the legacy tests in the seed's own environments: standalone Keras 2.3.1 on TensorFlow 1.x and 2.0/2.1.
+"""Runs the legacy tests in the seed's own environments: standalone Keras 2.3.1 and tf.keras on TensorFlow 1.x to 2.3.
 
 ```
 python tests/legacy/run.py                # TF 1.15 and TF 2.1, each with Keras 2.3.1
-python tests/legacy/run.py --all          # and TF 1.14, TF 2.0, and TF 2.3 with its tf.keras (refused)
+python tests/legacy/run.py --all          # and TF 1.14, TF 2.0, and TF 2.2 and 2.3 with their tf.keras
 python tests/legacy/run.py --envs tf1.14-keras2.3 -- -k batch_norm
 python tests/legacy/run.py --require      # CI: fail, not skip, without a Python 3.7
 ```
@@ -37,10 +37,11 @@ ENVIRONMENTS = {
     "tf2.1-keras2.3": ["tensorflow-cpu==2.1.4", "keras==2.3.1"],
     "tf1.14-keras2.3": ["tensorflow==1.14.0", "keras==2.3.1"],
     "tf2.0-keras2.3": ["tensorflow==2.0.4", "keras==2.3.1"],
-    "tf2.3-tf.keras": ["tensorflow-cpu==2.3.4"],  # no standalone Keras: its tf.keras is refused by name
+    "tf2.2-tf.keras": ["tensorflow-cpu==2.2.3"],  # no standalone Keras: its own tf.keras
+    "tf2.3-tf.keras": ["tensorflow-cpu==2.3.4"],
 }
-# What each environment runs (default: all of tests/legacy).
-TESTS = {"tf2.3-tf.keras": [os.path.join("tests", "legacy", "test_tf_keras.py")]}
+# What each environment runs (default: all of tests/legacy; each file skips where it does not apply).
+TESTS = {name: [os.path.join("tests", "legacy", "test_tf_keras.py")] for name in ("tf2.2-tf.keras", "tf2.3-tf.keras")}
 DEFAULT = ["tf1.15-keras2.3", "tf2.1-keras2.3"]
 
 
