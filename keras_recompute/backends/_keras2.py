@@ -164,16 +164,21 @@ class _Active:
         return False
 
 
-def _registered(owner):
-    """The lists and dicts of lists that `add_update` and `add_loss` append to, under `owner`."""
+def layers_under(owner, children_of=children):
+    """`owner` and every layer under it, each once; `children_of(layer)` gives a layer's direct sub-layers."""
     layers, seen = [owner], {id(owner)}
     for layer in layers:
-        for child in children(layer):
+        for child in children_of(layer):
             if id(child) not in seen:
                 seen.add(id(child))
                 layers.append(child)
+    return layers
+
+
+def _registered(owner):
+    """The lists and dicts of lists that `add_update` and `add_loss` append to, under `owner`."""
     found = []
-    for layer in layers:
+    for layer in layers_under(owner):
         for attribute in ("_updates", "_losses", "_per_input_updates", "_per_input_losses"):
             items = getattr(layer, attribute, None)
             if isinstance(items, (list, dict)):

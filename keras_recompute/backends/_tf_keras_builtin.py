@@ -38,7 +38,7 @@ from keras_recompute.backends._tf_private import LEGACY
 
 _BASE_LAYER = "tensorflow.python.keras.engine.base_layer"
 _patched = []
-_local = threading.local()  # `uniform`: what the next draw of a dropout of ours does
+_local = threading.local()  # `stack`: the recorded and replayed calls; `uniform`: what a dropout's draw does
 
 
 def loaded():
@@ -87,13 +87,7 @@ def loss_lists(owner):
 
 
 def _under(owner):
-    layers, seen = [owner], {id(owner)}
-    for layer in layers:
-        for child in children(layer):
-            if id(child) not in seen:
-                seen.add(id(child))
-                layers.append(child)
-    return layers
+    return _keras2.layers_under(owner, children)
 
 
 def capture(owner, name):
@@ -103,20 +97,14 @@ def capture(owner, name):
     return CallState(owner, name)
 
 
-class CallState:
-    """The dropout masks of one recomputed call, its state variables, and its variable read dtype."""
+class CallState(_keras2.CallState):
+    """The dropout masks of one recomputed call (as standalone Keras's), its state, its read dtype and training."""
 
     def __init__(self, owner, name):
-        self.name = name
+        super().__init__(owner, name)
         self.owner = owner if is_layer(owner) else None
-        self.records = []  # ("dropout", a `_Packed` mask), in the order drawn
-        self.replaying = False
-        self.wait = None
-        self._position = 0
         self.read_dtype = tf.compat.v1.get_default_graph()._auto_cast_variable_read_dtype
         self.training = getattr(_call_context(), "training", None)  # the forward's, which sub-layers may read
-
-    next = _keras2.CallState.next
 
     def forward(self):
         """Context manager: the dropout masks drawn inside it are recorded."""
@@ -156,11 +144,11 @@ class _Active:
             # recompute for a functional model being built and wrap its ops into layers.
             self._in_call = _enter_call(state.owner, state.training)
             self._in_call.__enter__()
-        _keras2._stack().append(state)
+        _stack().append(state)
         return self
 
     def __exit__(self, exc_type, *exc_info):
-        _keras2._stack().pop()
+        _stack().pop()
         state = self._state
         if self._replaying and state.owner is not None:
             self._in_call.__exit__(exc_type, *exc_info)
@@ -180,6 +168,14 @@ class _Active:
             )
         state.wait = None
         return False
+
+
+def _stack():
+    """This thread's recomputed calls of tf.keras layers, innermost last (standalone Keras's keep their own)."""
+    stack = getattr(_local, "stack", None)
+    if stack is None:
+        stack = _local.stack = []
+    return stack
 
 
 def _call_context():
@@ -216,7 +212,7 @@ def _install():
         return hook(lambda: original_uniform(shape, *args, **kwargs), dtype)
 
     def dropout_v2(x, rate, noise_shape=None, seed=None, name=None):
-        stack = _keras2._stack()
+        stack = _stack()
         if not stack:
             return original(x, rate, noise_shape=noise_shape, seed=seed, name=name)
         replaying = max((i for i, state in enumerate(stack) if state.replaying), default=-1)
@@ -232,7 +228,7 @@ def _install():
     original_cond = tf_utils.smart_cond
 
     def smart_cond(pred, true_fn=None, false_fn=None, name=None):
-        stack = _keras2._stack()
+        stack = _stack()
         if (
             not stack
             or any(state.replaying for state in stack)

@@ -1,8 +1,7 @@
 """TensorFlow 1.14/1.15 with its own tf.keras, in its graph: recompute against a plain twin.
 
-The twins are built in one graph from the same weights, once with recompute
-off and once on (`recompute_scope` at build time: a TF 1.x graph is built
-once), and their Dropout layers have seeds, so the twins' dropout ops draw
+The twins (`_tf_keras_twins`) are built in one graph from the same weights,
+the second one's blocks recomputed, and their Dropout layers have seeds, so the twins' dropout ops draw
 the same masks step after step and a recompute that drew again would draw
 others. Updates are compared as NOTE [ comparing updates, not losses ] in
 `tests/_updates.py` says: SGD at lr 1.0, each weight's first update, the same
@@ -13,7 +12,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_recompute import RecomputeError, recompute_grad, recompute_scope
+from _tf_keras_twins import HIDDEN, Block, data as _data, normwise as _normwise, twins as _twins
+from keras_recompute import recompute_grad, recompute_scope
 
 pytestmark = pytest.mark.skipif(not tf.__version__.startswith("1."), reason="TensorFlow 1.x")
 
@@ -21,95 +21,6 @@ keras = tf.keras
 K = keras.backend
 layers = keras.layers
 TRIALS = 10
-HIDDEN = 16
-
-
-class Block(layers.Layer):
-    """Dense, Dropout, Dense, a residual; optionally BatchNormalization; counts its calls."""
-
-    calls = 0
-
-    def __init__(self, rate=0.3, batch_norm=False, seed=1, **kwargs):
-        super(Block, self).__init__(**kwargs)
-        self.inner = layers.Dense(4 * HIDDEN, activation="tanh")
-        self.drop = layers.Dropout(rate, seed=seed)
-        self.outer = layers.Dense(HIDDEN)
-        self.norm = layers.BatchNormalization() if batch_norm else None
-        self.supports_masking = True
-
-    @recompute_grad
-    def call(self, inputs, training=None, mask=None):
-        Block.calls += 1
-        h = self.outer(self.drop(self.inner(inputs), training=training))
-        if self.norm is not None:
-            h = self.norm(h, training=training)
-        if mask is not None:
-            h *= tf.cast(mask, h.dtype)[..., None]
-        return inputs + h
-
-
-class SelfAttention(layers.Layer):
-    """Takes [q, k, v]: the model passes one tensor three times; masks the padded keys."""
-
-    def __init__(self, **kwargs):
-        super(SelfAttention, self).__init__(**kwargs)
-        small = keras.initializers.RandomNormal(stddev=0.1, seed=1)
-        self.q = layers.Dense(HIDDEN, kernel_initializer=small)
-        self.k = layers.Dense(HIDDEN, kernel_initializer=small)
-        self.v = layers.Dense(HIDDEN)
-        self.supports_masking = True
-
-    @recompute_grad
-    def call(self, inputs, mask=None):
-        q, k, v = inputs
-        scores = tf.matmul(self.q(q), self.k(k), transpose_b=True) / np.sqrt(HIDDEN)
-        if mask is not None and mask[1] is not None:
-            scores -= (1.0 - tf.cast(mask[1], scores.dtype))[:, None, :] * 1e4
-        return tf.matmul(tf.nn.softmax(scores), self.v(v))
-
-    def compute_mask(self, inputs, mask=None):
-        return mask[0] if mask else None
-
-
-def _model(recompute, blocks=3, seq=None, batch_norm=False, attention=False, rate=0.3):
-    with recompute_scope(recompute):
-        if seq is None:
-            inputs = layers.Input((HIDDEN,))
-            h = layers.Dense(HIDDEN, kernel_initializer=keras.initializers.glorot_uniform(seed=3))(inputs)
-        else:
-            inputs = layers.Input((seq,), dtype="int32")
-            unit = keras.initializers.RandomNormal(stddev=1.0, seed=2)
-            h = layers.Embedding(50, HIDDEN, embeddings_initializer=unit, mask_zero=True)(inputs)
-        for index in range(blocks):
-            if attention:
-                h = SelfAttention()([h, h, h])
-            h = Block(rate=rate, batch_norm=batch_norm, seed=index + 1)(h)
-        if seq is not None:
-            h = layers.GlobalAveragePooling1D()(h)
-        return keras.Model(inputs, layers.Dense(1)(h))
-
-
-def _twins(**options):
-    plain = _model(False, **options)
-    recomputed = _model(True, **options)
-    recomputed.set_weights(plain.get_weights())
-    return plain, recomputed
-
-
-def _data(seq=None, batch=8):
-    random = np.random.RandomState(0)
-    if seq is None:
-        x = random.randn(batch, HIDDEN).astype("float32")
-    else:
-        x = random.randint(1, 50, size=(batch, seq)).astype("int32")
-        x[:, seq - 2 :] = 0  # padding the mask hides
-    return x, random.randn(batch, 1).astype("float32")
-
-
-def _normwise(got, want):
-    got = np.concatenate([np.ravel(g) for g in got])
-    want = np.concatenate([np.ravel(w) for w in want])
-    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
 
 
 def _first_updates(model, x, y, trials=TRIALS):
