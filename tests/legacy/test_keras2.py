@@ -348,3 +348,20 @@ def test_nested_recomputes_update_as_plain(monkeypatch):
     errors = [_normwise(mine, theirs) for mine, theirs in zip(got, want)]
     assert max(errors) <= 1e-6, errors
     assert _normwise(want[1], want[0]) > 1e-3
+
+
+def test_dropout_replays_once_beside_tf_keras_recompute():
+    """tf.keras's recompute wraps `tf.nn.dropout` (which `K.dropout` calls) for its own calls only.
+
+    With its wrapper installed (a tf.keras layer recomputed in the same
+    process), a standalone Keras layer's dropout draws and replays its mask
+    once, as before.
+    """
+    from keras_recompute.backends import _tf_keras_builtin
+
+    _tf_keras_builtin._install()
+    x, y = _data()
+    plain, recomputed = _twins()
+    want = _first_updates(plain, x, y, 3)
+    got = _first_updates(recomputed, x, y, 3)
+    assert max(_normwise(mine, theirs) for mine, theirs in zip(got, want)) <= 1e-6
