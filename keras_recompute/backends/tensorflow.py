@@ -108,8 +108,7 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full", offload
     """
     if offload:
         raise ValueError(_policy.offload_refused_message(context.name, "tensorflow"))
-    graph_path = TF_VERSION < (2, 0) or _keras2.is_layer(context.owner) or not tf_2_behavior()
-    if LEGACY and graph_path:
+    if LEGACY and (TF_VERSION < (2, 0) or _keras2.is_layer(context.owner) or not tf_2_behavior()):
         from keras_recompute.backends import tensorflow_v1  # NOTE [ TensorFlow versions ] in `_tf_private`
 
         return tensorflow_v1.recompute_call(fn, args, kwargs, context, check=check, policy=policy)
