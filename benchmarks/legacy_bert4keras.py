@@ -50,6 +50,8 @@ import sys
 import tempfile
 import time
 
+from legacy_memory import _cpu_model, _status  # this folder is on the path of a script run from it
+
 SIZES = {
     "base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
     "large": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096),
@@ -281,25 +283,6 @@ def _commit():
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], universal_newlines=True).strip()
     except (OSError, subprocess.CalledProcessError):
         return None
-
-
-def _cpu_model():
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine()
-
-
-def _status(field):
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(field + " not in /proc/self/status")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import pytest
 import tensorflow as tf
 
 import keras
+from _tf_keras_twins import data as _data, normwise as _normwise
 from keras import backend as K
 from keras_recompute import RecomputeError, recompute_grad, recompute_scope
 
@@ -102,25 +103,9 @@ def _twins(**options):
     return plain, recomputed
 
 
-def _data(seq=None, batch=8):
-    random = np.random.RandomState(0)
-    if seq is None:
-        x = random.randn(batch, HIDDEN).astype("float32")
-    else:
-        x = random.randint(1, 50, size=(batch, seq)).astype("int32")
-        x[:, seq - 2 :] = 0  # padding the mask hides
-    return x, random.randn(batch, 1).astype("float32")
-
-
 def _registered_updates(layer):
     """How many updates the layers under `layer` registered (`model.updates` leaves out a block's own)."""
     return len(layer._updates) + sum(_registered_updates(child) for child in getattr(layer, "_layers", []))
-
-
-def _normwise(got, want):
-    got = np.concatenate([np.ravel(g) for g in got])
-    want = np.concatenate([np.ravel(w) for w in want])
-    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
 
 
 def _first_updates(model, x, y, trials):
