@@ -21,6 +21,8 @@ import signal
 import subprocess
 import sys
 
+from _record import metadata  # this folder is on the path of a script run from it
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_BATCH = 1 << 14  # where the largest-batch search stops doubling
 
@@ -177,9 +179,56 @@ def write_json(path, arguments, results):
     """Writes a benchmark's arguments and results to `path` (`--out`), for `benchmarks/plot.py`."""
     if path:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        record = dict(metadata(dtype=str(arguments.get("dtype") or "float32")), benchmark=os.path.basename(sys.argv[0]))
+        record.update(arguments=arguments, results=results)
         with open(path, "w") as out:
-            json.dump({"benchmark": os.path.basename(sys.argv[0]), "arguments": arguments, "results": results}, out, indent=1, default=str)
+            json.dump(record, out, indent=1, default=str)
             out.write("\n")
+
+
+def in_turns(repeat, configurations, run):
+    """`{configuration: [record, ...]}`: `run(*configuration)` for each, all once, then again, `repeat` times.
+
+    In turns, so that a slow minute of a shared machine slows every configuration
+    of one turn, not every run of one configuration.
+    """
+    records = {configuration: [] for configuration in configurations}
+    for _ in range(max(1, repeat)):
+        for configuration in configurations:
+            records[configuration].append(run(*configuration))
+    return records
+
+
+def summary(records, time_key, base_records=None):
+    """One configuration's runs as one row: the first run's figures, the median time, and the ratios to none.
+
+    `time_vs_none` is the median of the runs' ratios, each to `base_records`'
+    run of the same turn; `time_vs_none_range` their least and greatest;
+    `<time_key>_runs` every run's time. The first failed run makes the row its error.
+    """
+    import statistics
+
+    failed = next((record for record in records if "error" in record), None)
+    if failed is not None:
+        return failed
+    row = dict(records[0])
+    times = [record[time_key] for record in records]
+    row[time_key + "_runs"] = times
+    row[time_key] = statistics.median(times)
+    if base_records and all("error" not in record for record in base_records):
+        ratios = [record[time_key] / base[time_key] for record, base in zip(records, base_records)]
+        row["time_vs_none_runs"] = ratios
+        row["time_vs_none"] = statistics.median(ratios)
+        row["time_vs_none_range"] = [min(ratios), max(ratios)]
+    return row
+
+
+def ratio_text(row):
+    """`1.32x`, or `1.32x (1.30-1.41x)` for a row of several runs."""
+    if "time_vs_none" not in row:
+        return ""
+    low, high = row["time_vs_none_range"]
+    return f"{row['time_vs_none']:.2f}x" + (f" ({low:.2f}-{high:.2f})" if len(row["time_vs_none_runs"]) > 1 else "")
 
 
 def measured(script, arguments, backend, one_row_arguments):

@@ -61,6 +61,7 @@ def parse_args(argv=None):
     parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument("--dtype", choices=("float32", "mixed_bfloat16", "mixed_float16"), default="float32")
     parser.add_argument("--steps", type=int, default=5, help="timed steps")
+    parser.add_argument("--repeat", type=int, default=1, help="timed runs of every method, in turns (median and range)")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--budget-gib", type=float, help="also find the largest batch that fits")
     parser.add_argument("--out", help="also write the results as JSON to this file (for benchmarks/plot.py)")
@@ -208,12 +209,22 @@ def main(argv=None):
     memory_name = "peak MB" if platform != "cpu" else "activations MB"
     xla = args.backend == "jax"
     print(
-        f"{'method':<15} {memory_name:>15} {'vs none':>8} {'step s':>8} {'vs none':>8}  loss"
+        f"{'method':<15} {memory_name:>15} {'vs none':>8} {'step s':>8} {'vs none':>20}  loss"
         + ("     XLA temp MB  vs none" if xla else "")
     )
+    script, seen = os.path.abspath(__file__), set()
+
+    def once_then_time(method):
+        """The first run measures memory too; the others (`--repeat`) only time a step."""
+        if method in seen:
+            return _measure.run(script, child_arguments(args, method, args.batch), args.backend)
+        seen.add(method)
+        return measure(args, method, args.batch)
+
+    runs = _measure.in_turns(args.repeat, [(method,) for method in args.methods], once_then_time)
     results = {}
     for method in args.methods:
-        record = measure(args, method, args.batch)
+        record = _measure.summary(runs[(method,)], "step", runs.get(("none",)))
         results[method] = record
         if "error" in record:
             print(f"{method:<15} failed: {record['error']}")
@@ -224,10 +235,10 @@ def main(argv=None):
             # On the CPU a tiny model's activations are within the RSS noise: no ratio then.
             if record["peak"] > 2**20 and base["peak"] > 2**20:
                 memory_ratio = f"{base['peak'] / record['peak']:.2f}x"
-            step_ratio = f"{record['step'] / base['step']:.2f}x"
+            step_ratio = _measure.ratio_text(record)
         line = (
             f"{method:<15} {record['peak'] / 2**20:>15.0f} {memory_ratio:>8} {record['step']:>8.3f} "
-            f"{step_ratio:>8}  {record['loss']:.4f}"
+            f"{step_ratio:>20}  {record['loss']:.4f}"
         )
         if xla and "xla_temp" in record:
             temp_ratio = f"{base['xla_temp'] / record['xla_temp']:.2f}x" if base and "xla_temp" in base else ""

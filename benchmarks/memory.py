@@ -10,6 +10,12 @@ Usage:
     python benchmarks/memory.py                      # 12 blocks, a few minutes
     python benchmarks/memory.py --blocks 4 --seq 64  # quicker
     python benchmarks/memory.py --modes eager function jit --methods none ours
+    python benchmarks/memory.py --modes function --methods none ours tf --repeat 3
+
+`--repeat N` runs every configuration N times, in turns (all of them once,
+then again), each in a fresh process: the step time is then the median of the
+runs, and its ratio to none's is the median and the range of the runs' ratios
+(each run against none's run of the same turn). Memory is the first run's.
 
 Modes: eager, function (`tf.function`), jit (`jit_compile=True`), all with
 Keras 3; graph: a TF1-style graph (`tf.compat.v1`, a Session) with tf_keras.
@@ -50,6 +56,7 @@ def parse_args(argv=None):
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument("--steps", type=int, default=5, help="timed steps")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of every configuration, in turns (time: median and range)")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--out", help="also write the results as JSON to this file (for benchmarks/plot.py)")
@@ -230,15 +237,18 @@ def main():
     print("gradients and workspace of one step.")
     header = (
         f"{'mode':<9} {'method':<15} {'peak MB':>9} {'step MB':>9} {'step s':>8} {'peak vs none':>13} "
-        f"{'step MB vs none':>16} {'time vs none':>13}"
+        f"{'step MB vs none':>16} {'time vs none':>20}"
     )
     print(header)
     print("-" * len(header))
+    runs = _measure.in_turns(args.repeat, [(mode, method) for mode in args.modes for method in args.methods],
+                             lambda mode, method: run_child(args, method, mode))
     rows = []
     for mode in args.modes:
         base = None
         for method in args.methods:
-            result = run_child(args, method, mode)
+            records = runs[(mode, method)]
+            result = _measure.summary(records, "step_s", runs.get((mode, "none")))
             rows.append({"mode": mode, "method": method, **result})
             if "error" in result:
                 print(f"{mode:<9} {method:<15} failed: {result['error']}")
@@ -249,10 +259,10 @@ def main():
             if base:
                 peak_ratio = f"{base['peak_mb'] / result['peak_mb']:.2f}x lower"
                 step_ratio = f"{base['step_mb'] / result['step_mb']:.2f}x lower"
-                time_ratio = f"{result['step_s'] / base['step_s']:.2f}x"
+                time_ratio = _measure.ratio_text(result)
             print(
                 f"{mode:<9} {method:<15} {result['peak_mb']:>9.0f} {result['step_mb']:>9.0f} {result['step_s']:>8.2f} "
-                f"{peak_ratio:>13} {step_ratio:>16} {time_ratio:>13}",
+                f"{peak_ratio:>13} {step_ratio:>16} {time_ratio:>20}",
                 flush=True,
             )
     _measure.write_json(args.out, vars(args), {"rows": rows})

@@ -10,6 +10,8 @@ For each file, by the benchmark that wrote it:
     memory.py,       peak memory and step time per method (one group per mode)
     backends.py,
     bert4keras_bert.py
+Any other results file is skipped with a message naming it; a file is read
+whole before its figure is written, so nothing is left half made.
 
 Usage:
     python benchmarks/plot.py benchmarks/results/*.json            # into docs/images/
@@ -87,9 +89,7 @@ def plot_max_batch(data, path):
 def plot_table(data, path):
     """Peak memory and step time per method, from a benchmark's rows."""
     plt = _pyplot()
-    results = data["results"]
-    rows = results.get("rows") or results.get("table") or []
-    rows = [row for row in rows if "error" not in row]
+    rows = _table_rows(data)
     labels = [f"{row['mode']}\n{row['method']}" if "mode" in row else row["method"] for row in rows]
     peaks = [(row.get("step_mb") or row.get("peak_mb") or (row.get("xla_temp") or row.get("peak") or 0) / MiB) for row in rows]
     steps = [row.get("step_s") or row.get("step") for row in rows]
@@ -143,6 +143,17 @@ def plot_tradeoff(data, path):
     plt.close(figure)
 
 
+def _table_rows(data):
+    """The rows of a table-shaped result that have both a memory figure and a step time."""
+    results = data.get("results") or {}
+    rows = results.get("rows") or results.get("table") or []
+    return [
+        row for row in rows
+        if "error" not in row and (row.get("step_s") or row.get("step"))
+        and (row.get("step_mb") or row.get("peak_mb") or row.get("xla_temp") or row.get("peak"))
+    ]
+
+
 def _arguments(arguments):
     keep = ("backend", "blocks", "layers", "hidden", "seq", "batch")
     return ", ".join(f"{name} {arguments[name]}" for name in keep if arguments.get(name) is not None)
@@ -154,14 +165,28 @@ def main(argv=None):
     parser.add_argument("--outdir", default=os.path.join(ROOT, "docs", "images"))
     args = parser.parse_args(argv)
     os.makedirs(args.outdir, exist_ok=True)
+    skipped = 0
     for name in args.files:
         with open(name) as source:
             data = json.load(source)
         path = os.path.join(args.outdir, os.path.splitext(os.path.basename(name))[0] + ".png")
-        plot = {"max_batch.py": plot_max_batch, "budget.py": plot_tradeoff}.get(data.get("benchmark"), plot_table)
+        plot = PLOTS.get(data.get("benchmark"))
+        if plot is None or (plot is plot_table and not _table_rows(data)):
+            print(f"{name}: skipped, no figure for the results of {data.get('benchmark') or 'this benchmark'}")
+            skipped += 1
+            continue
         plot(data, path)
         print(path)
+    return 0
 
+
+PLOTS = {
+    "max_batch.py": plot_max_batch,
+    "budget.py": plot_tradeoff,
+    "memory.py": plot_table,
+    "backends.py": plot_table,
+    "bert4keras_bert.py": plot_table,
+}
 
 if __name__ == "__main__":
     main()

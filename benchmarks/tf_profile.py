@@ -18,7 +18,7 @@ method (as in `memory.py`) puts it on whichever method ran then. The table
 prints each method's median and its ratio to none's.
 
 Usage:
-    python benchmarks/tf_profile.py --inter-op 1
+    python benchmarks/tf_profile.py --inter-op 1 --out benchmarks/results/tf_profile_inter_op_1.json
     python benchmarks/tf_profile.py --blocks 4 --hidden 768 --heads 12 --ffn 3072 --seq 512 \\
         --batch 2 --methods none save_dots attention_core --inter-op 1
     python benchmarks/tf_profile.py --mode eager --methods none ours tf --blocks 12 --hidden 128 \
@@ -37,6 +37,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _measure  # noqa: E402
 import memory  # noqa: E402
 
 
@@ -57,6 +58,7 @@ def parse_args(argv=None):
     parser.add_argument("--mode", default="function", choices=("function", "eager"))
     parser.add_argument("--inter-op", type=int, default=0, help="inter-op threads (0: TensorFlow's default)")
     parser.add_argument("--rows", type=int, default=16, help="op types to print")
+    parser.add_argument("--out", help="also write the op times and step medians as JSON to this file")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -175,6 +177,10 @@ def main():
     print(f"{'all ops vs none':28s}{'1.00x':>9s}" + "".join(f"{totals[m] / totals['none']:15.2f}x{'':8s}" for m in others))
     row(f"step ms (median, {args.rounds} turns)", {m: 1e3 * median[m] for m in methods})
     print(f"{'step vs none':28s}{'1.00x':>9s}" + "".join(f"{median[m] / median['none']:15.2f}x{'':8s}" for m in others))
+    _measure.write_json(args.out, vars(args), {
+        "op_ms": ops, "all_ops_ms": totals, "step_median_s": median,
+        "step_vs_none": {m: median[m] / median["none"] for m in methods},
+    })
 
 
 if __name__ == "__main__":

@@ -67,6 +67,8 @@ class MemoryReport:
         execution: the execution the prediction is for, `"eager"` or
             `"compiled"` (NOTE [ which execution a plan is for ]).
         execution_reason: why that one.
+        switch: a line when the model has a plan that the switch keeps off
+            now (the rows and peak are then the plain model's), else `""`.
     """
 
     def __init__(self, title, rows, predicted_peak, resident, floor, plain_peak, measure_seconds, execution=COMPILED,
@@ -81,6 +83,7 @@ class MemoryReport:
         self.plain_peak = plain_peak
         self.measure_seconds = measure_seconds
         self.offload = ""  # a line on offload (NOTE [ offload ] in `_policy`) when it was asked for
+        self.switch = ""  # a line when the model has a plan that the switch keeps off now
 
     def __str__(self):
         options = []
@@ -108,6 +111,8 @@ class MemoryReport:
         )
         if self.offload:
             text.append(self.offload)
+        if self.switch:
+            text.append(self.switch)
         return "\n".join(text)
 
     def __repr__(self):
@@ -140,8 +145,11 @@ def report(model, units, inputs, current, execution=None, offload=False):
         predicted = measured.peak(current)
     elif all(policy == _budget.NONE for policy in current):
         plain = predicted
+    # No recompute is itself a plan: where the compiler's figure for it is below the units' sum
+    # (NOTE [ checking a plan on JAX ]), the least peak is at most that figure.
+    floor = min(measured.floor(), plain)
     title = f"keras_recompute memory report: {model.name!r}, {len(units)} units, {_backend_name(model)}"
-    result = MemoryReport(title, rows, predicted, measured.resident, measured.floor(), plain, seconds, execution, reason)
+    result = MemoryReport(title, rows, predicted, measured.resident, floor, plain, seconds, execution, reason)
     result.offload = offload_line
     return result
 

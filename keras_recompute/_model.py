@@ -234,7 +234,15 @@ def memory_report(model, inputs, *, blocks="auto", execution=None, offload=None)
     _check_offload(model, framework, offload, "memory_report")
     with pieces.measuring() if pieces is not None else contextlib.nullcontext():
         current = [applied.get(_memory.unit_name(u), _budget.NONE) for u in units]
-        return _memory.report(model, units, inputs, current, execution, offload)
+        result = _memory.report(model, units, inputs, current, execution, offload)
+    if plan is not None and plan.names and not applied:
+        result.switch = (
+            f"recompute is off now ({'enabled=False' if plan.enabled is False else 'RECOMPUTE is not on, no recompute_scope(True)'}): "
+            f"the policies and peak above are the plain model's; recompute_model chose "
+            f"{', '.join(f'{name}: {policy}' for name, policy in zip(plan.names, plan.policies))}, which runs "
+            f"{'with enabled=True' if plan.enabled is False else 'with RECOMPUTE=1 or inside recompute_scope(True)'}"
+        )
+    return result
 
 
 def unrecompute_model(model):

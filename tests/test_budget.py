@@ -296,6 +296,22 @@ def test_the_report():
     assert "block_3" in text and "predicted peak" in text and "attention_core" in text
 
 
+def test_the_report_of_a_plan_the_switch_keeps_off_says_so():
+    """RECOMPUTE unset: the rows are the plain model's, and a line names the plan and how to switch it on."""
+    model = blocks_model()
+    recompute_model(model, budget=0.75, inputs=X)  # enabled=None: follows the switch, off here
+    with recompute_scope(True):
+        planned_with_switch_on = memory_report(model, X)
+    chosen = [row["policy"] for row in planned_with_switch_on.rows]
+    assert any(policy != "none" for policy in chosen) and not planned_with_switch_on.switch
+    report = memory_report(model, X)
+    assert [row["policy"] for row in report.rows] == ["none"] * 4 and report.predicted_peak == report.plain_peak
+    assert "recompute is off now" in report.switch and "recompute_scope(True)" in report.switch
+    first = next(i for i, policy in enumerate(chosen) if policy != "none")
+    assert f"block_{first}: {chosen[first]}" in str(report)
+    assert report.floor <= report.plain_peak and planned_with_switch_on.floor <= planned_with_switch_on.plain_peak
+
+
 @pytest.mark.parametrize(
     "arguments, error, match",
     [
