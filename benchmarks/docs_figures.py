@@ -14,7 +14,7 @@ carries its source right after it, in an HTML comment that Markdown does not sho
 
 `file: expression`. The file is a JSON under `benchmarks/results/` (`.json` may be left out),
 written by the benchmark that measured it, with the command, device, dtype, date and commit in
-it. The expression is arithmetic (`+ - * /`, `min`, `max`, `abs`, `round`, `len`) over dotted
+it. The expression is arithmetic (`+ - * /`, `min`, `max`, `abs`, `round`, `len`, `log`) over dotted
 paths into that JSON (`results.none.points["4"].step_peak_bytes`; a key that is not a name goes
 in brackets; `pick(results.rows, method="ours", mode="function")` is the one row of a list with
 those fields), and the constants `KB MB GB` (powers of 10) and `KiB MiB GiB` (powers of 2). A
@@ -49,15 +49,15 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 CONSTANTS = {"KB": 1e3, "MB": 1e6, "GB": 1e9, "KiB": 2.0**10, "MiB": 2.0**20, "GiB": 2.0**30}
-FUNCTIONS = {"min": min, "max": max, "abs": abs, "round": round, "len": len}
+FUNCTIONS = {"min": min, "max": max, "abs": abs, "round": round, "len": len, "log": math.log}
 
-_NUMBER = r"\d+(?:\.\d+)?(?:e-?\d+)?"
+_NUMBER = r"[+\-]?\d+(?:\.\d+)?(?:e-?\d+)?"
 _UNIT = r"(?:x(?![\w])|\s?(?:%|KB|MB|MiB|GB|GiB|ms|us|s|min|minutes|seconds|hours)(?![\w]))"
 # A figure: a number, or a range of two, then a unit.
-FIGURE = re.compile(r"(?<![\w.\-^/])(%s)(?:(\s?(?:-|to)\s?)(%s))?(%s)" % (_NUMBER, _NUMBER, _UNIT))
+FIGURE = re.compile(r"(?<![\w.^/\-+])(%s)(?:(\s?(?:-|to)\s?)(%s))?(%s)" % (_NUMBER, _NUMBER, _UNIT))
 # The figure right before a source comment: its numbers, then the comment.
 SOURCED = re.compile(
-    r"(?<![\w.\-^/])(%s)(?:(\s?(?:-|to)\s?)(%s))?(%s)?(\**\)?)<!--=\s*([^:>]*?)\s*:\s*(.*?)\s*-->" % (_NUMBER, _NUMBER, _UNIT)
+    r"(?<![\w.^/\-+])(%s)(?:(\s?(?:-|to)\s?)(%s))?(%s)?(\**\)?)<!--=\s*([^:>]*?)\s*:\s*(.*?)\s*-->" % (_NUMBER, _NUMBER, _UNIT)
 )
 GIVEN = re.compile(r"(%s)(%s)?(\**\)?)<!--given-->" % (_NUMBER, _UNIT))
 SOURCE = re.compile(r"<!--\s*source:\s*([^\s>]+)(?:\s+([^\s>]+))?\s*-->")
@@ -163,9 +163,8 @@ def _agrees(shown, value):
 
 def _format(shown, value):
     digits = _decimals(shown)
-    if "e" in shown:
-        return "%.*e" % (digits, value)
-    return "%.*f" % (digits, value)
+    text = "%.*e" % (digits, value) if "e" in shown else "%.*f" % (digits, value)
+    return "+" + text if shown.startswith("+") and not text.startswith("-") else text
 
 
 def _code_free(line):

@@ -29,6 +29,8 @@ import platform
 import subprocess
 import sys
 
+import _record  # this folder is on the path of a script run from it
+
 METHODS = ("none", "ours", "ours_unchecked", "tf_recompute_grad")
 
 
@@ -90,17 +92,6 @@ def child(args):
     print(json.dumps({"step_peak_bytes": peak - before, "losses": losses}))
 
 
-def _cpu_model():
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine()
-
-
 def _status(field):
     with open("/proc/self/status") as status:
         for line in status:
@@ -153,7 +144,7 @@ def main(argv=None):
     if args.out:
         record = {
             "command": "PYTHONPATH=. python " + " ".join(["benchmarks/legacy_memory.py"] + (argv if argv is not None else sys.argv[1:])),
-            "device": "CPU (%s)" % _cpu_model(),
+            "device": _record.device(),
             "dtype": "float32",
             "tensorflow": tf.__version__,
             "keras": keras.__version__,

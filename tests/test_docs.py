@@ -38,6 +38,8 @@ def test_every_figure_has_a_source_and_agrees():
         ("```\nnone  165 MB\n```", "no command that prints them"),
         ("a 3.0x<!--= no_such_file: x --> b", "no results file"),
         ("a 3.0x<!--= : results.x --> b", "no file and no"),
+        ("a 3.0x<!--= ci_times: stops[0]\n/ 60 --> b", "does not end on its line"),
+        ("a 3.0x<!--at 0000000--> b", "no commit of this repository"),
     ],
 )
 def test_the_check_catches(tmp_path, text, problem):
