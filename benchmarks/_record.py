@@ -40,16 +40,24 @@ def device():
     return "CPU (%s, %d cores)" % (cpu_model(), os.cpu_count())
 
 
+def changed_files():
+    """The package's and the benchmarks' files that differ from the checkout's commit."""
+    try:
+        lines = subprocess.check_output(
+            ["git", "status", "--porcelain", "--", "keras_recompute", "benchmarks/*.py"], cwd=ROOT, universal_newlines=True
+        ).splitlines()
+    except (OSError, subprocess.CalledProcessError):
+        return []
+    return sorted(line[3:].strip() for line in lines if line.strip())
+
+
 def commit():
     """The checkout's commit, with `+changes` when the package or the benchmarks differ from it."""
     try:
         head = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, universal_newlines=True).strip()
-        changed = subprocess.check_output(
-            ["git", "status", "--porcelain", "--", "keras_recompute", "benchmarks/*.py"], cwd=ROOT, universal_newlines=True
-        ).strip()
     except (OSError, subprocess.CalledProcessError):
         return None
-    return head + ("+changes" if changed else "")
+    return head + ("+changes" if changed_files() else "")
 
 
 def metadata(dtype="float32", argv=None):
@@ -64,5 +72,6 @@ def metadata(dtype="float32", argv=None):
         "dtype": dtype,
         "date": time.strftime("%Y-%m-%d"),
         "commit": commit(),
+        "changed_files": changed_files(),
         "python": platform.python_version(),
     }
