@@ -170,7 +170,12 @@ def test_masked_model_trains_to_the_plain_losses():
         keras.utils.set_random_seed(5)
         with recompute_scope(on):
             losses[on] = [float(model.train_on_batch(ids, labels)) for _ in range(3)]
-    np.testing.assert_allclose(losses[True], losses[False], rtol=1e-5)
+    # The first step is one program against another: equal up to float reassociation. Three steps
+    # of SGD at lr 0.5 amplify that reassociation (on an AVX-512 CPU, JAX's third loss moved 1.8e-5
+    # relative between the plain and the recomputed program, and 3.0e-5 between the plain program
+    # compiled for AVX-512 and for AVX2): the weights' moves over the three steps, normwise, decide.
+    np.testing.assert_allclose(losses[True][0], losses[False][0], rtol=1e-6)
+    np.testing.assert_allclose(losses[True], losses[False], rtol=1e-4)
     assert_trained_alike(models[True], models[False], initial)
     assert losses[False][0] != losses[False][2]
 

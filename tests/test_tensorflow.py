@@ -298,3 +298,18 @@ def test_fit_and_train_on_batch_match_twin(K, jit_compile, monkeypatch):
     # The traced training step ran the block's call once more: the recompute.
     assert calls.count(True) > plain_calls.count(True) > 0
     assert not np.allclose(weights[0], reference.get_weights()[0])
+
+
+def test_the_cpus_allocator_counts_only_under_bfc(monkeypatch):
+    """Without `TF_CPU_ALLOCATOR_USE_BFC=1` the CPU's figures are not a step's: no peak, not a peak of 0.
+
+    (On an Intel Xeon, TensorFlow 2.21's default CPU allocator answered `get_memory_info` with a
+    peak of 0 bytes around a Keras training step: `verify` then printed a measured peak of 0 MB.)
+    """
+    from keras_recompute.backends import tensorflow as path
+
+    if tf.config.list_logical_devices("GPU"):
+        pytest.skip("a GPU's allocator keeps figures")
+    monkeypatch.delenv("TF_CPU_ALLOCATOR_USE_BFC", raising=False)
+    assert path.allocator_peak(reset=True) is None and path.allocator_peak() is None
+    assert path._bytes_in_use() is None

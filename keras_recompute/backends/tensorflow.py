@@ -29,6 +29,7 @@ forward masks at the start of the step cost +125 MB on the benchmark encoder.
 """
 
 import contextlib
+import os
 import threading
 
 import tensorflow as tf
@@ -934,7 +935,9 @@ def allocator_peak(reset=False):
     With `reset`, the peak is set back to what it holds now first. A GPU's
     allocator keeps figures; the CPU's only as BFC (`TF_CPU_ALLOCATOR_USE_BFC=1`).
     """
-    device = "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
+    device = _statistics_device()
+    if device is None:
+        return None
     try:
         if reset:
             tf.config.experimental.reset_memory_stats(device)
@@ -943,9 +946,25 @@ def allocator_peak(reset=False):
         return None
 
 
+def _statistics_device():
+    """The device whose allocator's figures count: a GPU, or the CPU under BFC; None otherwise.
+
+    On some CPUs (seen on an Intel Xeon with TensorFlow 2.21) the CPU's default
+    allocator answers `get_memory_info` without raising, but its figures miss
+    what a Keras training step allocates (a peak of 0 bytes around one): only
+    `TF_CPU_ALLOCATOR_USE_BFC=1` makes the CPU's figures the step's.
+    """
+    if tf.config.list_logical_devices("GPU"):
+        return "GPU:0"
+    bfc = os.environ.get("TF_CPU_ALLOCATOR_USE_BFC", "").strip().lower() in ("1", "true")  # as TensorFlow reads it
+    return "CPU:0" if bfc else None
+
+
 def _bytes_in_use():
     """What the default device's allocator holds now, or None where it keeps no figures."""
-    device = "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
+    device = _statistics_device()
+    if device is None:
+        return None
     try:
         return tf.config.experimental.get_memory_info(device)["current"]
     except (ValueError, tf.errors.OpError):  # the CPU's default allocator: no statistics
