@@ -68,29 +68,14 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def child(args):
-    method, mode = args.child
-    os.environ.update(TF_KERAS="1", TF_USE_LEGACY_KERAS="1", TF_CPU_ALLOCATOR_USE_BFC="1", TF_CPP_MIN_LOG_LEVEL="3")
-    os.environ["RECOMPUTE"] = "1" if method == "theirs" else "0"  # bert4keras reads it at its import
-    import numpy as np
-    import tensorflow as tf
+def build_classifier(args, recompute_policy=None):
+    """bert4keras's BERT of `args`' shape with a classifier on [CLS], compiled with legacy Adam (tf_keras).
 
-    if mode == "graph":
-        tf.compat.v1.disable_eager_execution()
-    if method == "theirs":
-        from tensorflow.python.eager import record, tape
-
-        for name in ("stop_recording", "record_operation"):
-            if not hasattr(tape, name):
-                setattr(tape, name, getattr(record, name))
+    Needs `TF_KERAS=1` and `TF_USE_LEGACY_KERAS=1` set before bert4keras is imported.
+    `recompute_policy`: `recompute_model(model, policy=...)` before compiling.
+    """
     import tf_keras
     from bert4keras.models import build_transformer_model
-
-    if method in ("ours", "nested"):
-        from keras_recompute.integrations import bert4keras as recompute_bert4keras
-
-        recompute_bert4keras.enable()
-    os.environ["RECOMPUTE"] = "0" if method == "none" else "1"  # bert4keras read it at its import
 
     tf_keras.utils.set_random_seed(0)
     bert = build_transformer_model(
@@ -106,14 +91,41 @@ def child(args):
     )
     cls = tf_keras.layers.Lambda(lambda x: x[:, 0])(bert.output)
     model = tf_keras.Model(bert.inputs, tf_keras.layers.Dense(2)(cls))
-    if method in ("model", "nested"):
+    if recompute_policy:
         from keras_recompute import recompute_model
 
-        recompute_model(model, policy=args.policy)
+        recompute_model(model, policy=recompute_policy)
     model.compile(
         optimizer=tf_keras.optimizers.legacy.Adam(1e-5),
         loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     )
+    return model
+
+
+def child(args):
+    method, mode = args.child
+    os.environ.update(TF_KERAS="1", TF_USE_LEGACY_KERAS="1", TF_CPU_ALLOCATOR_USE_BFC="1", TF_CPP_MIN_LOG_LEVEL="3")
+    os.environ["RECOMPUTE"] = "1" if method == "theirs" else "0"  # bert4keras reads it at its import
+    import numpy as np
+    import tensorflow as tf
+
+    if mode == "graph":
+        tf.compat.v1.disable_eager_execution()
+    if method == "theirs":
+        from tensorflow.python.eager import record, tape
+
+        for name in ("stop_recording", "record_operation"):
+            if not hasattr(tape, name):
+                setattr(tape, name, getattr(record, name))
+    import bert4keras.models  # noqa: F401  (after the patch above)
+
+    if method in ("ours", "nested"):
+        from keras_recompute.integrations import bert4keras as recompute_bert4keras
+
+        recompute_bert4keras.enable()
+    os.environ["RECOMPUTE"] = "0" if method == "none" else "1"  # bert4keras read it at its import
+
+    model = build_classifier(args, recompute_policy=args.policy if method in ("model", "nested") else None)
     rng = np.random.RandomState(0)
     token_ids = rng.randint(1, args.vocab, size=(args.batch, args.seq)).astype("int32")
     segment_ids = np.zeros((args.batch, args.seq), "int32")

@@ -10,6 +10,9 @@ For each file, by the benchmark that wrote it:
     memory.py,       peak memory and step time per method (one group per mode)
     backends.py,
     bert4keras_bert.py
+    largest_fit.py   the largest batch or sequence length predicted per option,
+                     and the peaks predicted and measured there and one size on,
+                     against the budget
 Any other results file is skipped with a message naming it; a file is read
 whole before its figure is written, so nothing is left half made.
 
@@ -154,6 +157,37 @@ def _table_rows(data):
     ]
 
 
+def plot_largest_fit(data, path):
+    plt = _pyplot()
+    arguments, rows = data["arguments"], [row for row in data["results"] if row.get("largest")]
+    axis = "sequence length" if arguments["axis"] == "sequence" else "batch"
+    figure, (sizes, peaks) = plt.subplots(1, 2, figsize=(11, 4))
+    names = [row["option"] for row in rows]
+    colors = [COLORS.get(name, "#17becf") for name in names]
+    bars = sizes.bar([LABELS.get(n, n) for n in names], [row["largest"] for row in rows], color=colors)
+    base = next((row["largest"] for row in rows if row["option"] == "none"), None)
+    for bar, row in zip(bars, rows):
+        label = f"{row['largest']}" + (f"\n{row['largest'] / base:.1f}x" if base else "")
+        sizes.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
+    sizes.set_ylim(0, max(row["largest"] for row in rows) * 1.3)
+    sizes.set_ylabel(f"largest {axis} predicted to fit")
+    sizes.set_title(f"largest {axis} in {arguments['budget_mb']:.0f} MiB")
+    for index, row in enumerate(rows):
+        peaks.plot([index - 0.15], [row["predicted_peak"] / MiB], "o", color=colors[index], markersize=7)
+        for key, marker in (("at_largest", "s"), ("at_next", "^")):
+            measured = row.get(key) or {}
+            if measured.get("peak"):
+                peaks.plot([index + (0.1 if key == "at_largest" else 0.3)], [measured["peak"] / MiB], marker, color=colors[index], markersize=6, fillstyle="none")
+    peaks.axhline(arguments["budget_mb"], color="black", linestyle="--", linewidth=1)
+    peaks.set_xticks(range(len(rows)), [LABELS.get(n, n) for n in names])
+    peaks.set_ylabel("MiB")
+    peaks.set_title("predicted peak (o); measured at it (square), one on (triangle); budget dashed", fontsize=9)
+    figure.suptitle(f"largest_fit: {arguments['model']}, {arguments['backend']}, {data.get('device', '')}", fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
 def _arguments(arguments):
     keep = ("backend", "blocks", "layers", "hidden", "seq", "batch")
     return ", ".join(f"{name} {arguments[name]}" for name in keep if arguments.get(name) is not None)
@@ -186,6 +220,7 @@ PLOTS = {
     "memory.py": plot_table,
     "backends.py": plot_table,
     "bert4keras_bert.py": plot_table,
+    "largest_fit.py": plot_largest_fit,
 }
 
 if __name__ == "__main__":

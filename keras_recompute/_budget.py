@@ -21,7 +21,22 @@ runs the units last to first. While it runs unit i:
     minus its option's kept), which its backward frees as it goes: by the
     softmax's gradient, what came after it is gone (one largest tensor, not
     two, on top). Calibrated on TensorFlow's BFC peak of a 12-block encoder
-    (benchmarks/budget.py), and checked there on JAX and PyTorch.
+    (benchmarks/budget.py), and checked there on JAX and PyTorch. Then, where
+    the largest tensor is most of a unit (attention scores at sequence
+    256-930, width 64: `largest_fit` along the sequence), one largest tensor
+    under-predicted `full` by 2-23% on TensorFlow (its executor orders a
+    graph's ops differently from run to run: the same step peaked 23.0 and
+    30.2 MB at sequences 512 and 525) and by 17-36% on PyTorch (2.3-2.6
+    score-sized tensors short: Keras's seeded dropout on PyTorch makes a
+    full, a draw, a quotient, zeros and the result, each of the scores'
+    size, while the recompute holds the rest), and held within 2% under
+    XLA (JAX). So the count depends on the backend and the unit's dropout
+    (`_memory._recompute_largest`): 2 on TensorFlow where the unit drops
+    out (over-predicting by 4-20% where it varies: an answer that fits), 3
+    on PyTorch where it drops out with a seed (6-12% over along the batch,
+    within 8% along the sequence), else 1 (PyTorch's unseeded dropout is
+    `F.dropout`: the encoder of benchmarks/budget.py was predicted 0-7%
+    over with 1).
 Every option keeps the unit's inputs: its first layers save them, or its
 recompute starts from them.
 The optimizer's update adds its own temporaries (`update`): Adam's update of

@@ -287,7 +287,7 @@ def _measure(model, units, inputs, backend, execution):
                 costs_by_kind[kind] = _measure_options(
                     unit, args, kwargs, backend, _undecorated(unit.call), recompute_grad, execution
                 )
-            unit_costs.append(_unit_costs(unit, costs_by_kind[kind], *sizes))
+            unit_costs.append(_unit_costs(unit, costs_by_kind[kind], *sizes, _recompute_largest(backend, unit)))
         whole = _whole_model_kept(model, units, inputs, backend, _undecorated, recompute_grad, execution)
         outside = max(0, whole - sum(u.options[_policy.FULL].kept for u in unit_costs))
         resident = _variable_bytes(model.variables) + _optimizer_bytes(model) + _tensor_bytes(inputs)
@@ -326,15 +326,38 @@ def _patched(unit, call, step):
     return run
 
 
-def _unit_costs(unit, measured, input_bytes, output_bytes):
+def _recompute_largest(backend, unit):
+    """How many largest tensors a recomputed unit's backward holds on top of what it makes again.
+
+    Measured (NOTE [ the peak of a plan ] in `_budget`): 1, except where the
+    unit draws dropout on TensorFlow (2: its executor's order of a graph's ops
+    varies from run to run) or seeded dropout on PyTorch (3: Keras's seeded
+    dropout makes several temporaries of the masked tensor's size; unseeded,
+    it is `F.dropout`, which makes one).
+    """
+    name = backend.__name__.rsplit(".", 1)[-1]
+    if name == "tensorflow" and _dropouts(unit):
+        return 2.0
+    if name == "torch" and any(getattr(layer, "seed", None) is not None for layer in _dropouts(unit)):
+        return 3.0
+    return 1.0
+
+
+def _dropouts(unit):
+    """The layers of `unit` that drop out (a `rate` above 0)."""
+    layers = unit._flatten_layers() if hasattr(unit, "_flatten_layers") else [unit]
+    return [layer for layer in layers if isinstance(getattr(layer, "rate", None), float) and layer.rate > 0]
+
+
+def _unit_costs(unit, measured, input_bytes, output_bytes, recompute_largest=1.0):
     """A unit's options from its measurements (NOTE [ the peak of a plan ] in `_budget`)."""
     kept_none, largest, seconds_none = measured[_budget.NONE]
     options = {}
     for option, (kept, _, seconds) in measured.items():
         if option == _budget.NONE:
             transient = 2 * output_bytes + 2 * largest
-        else:
-            transient = 2 * output_bytes + largest + max(0, kept_none - kept)
+        else:  # what its recompute makes again, too
+            transient = 2 * output_bytes + recompute_largest * largest + max(0, kept_none - kept)
         extra = 0.0 if option == _budget.NONE else max(seconds - seconds_none, 1e-6)
         # Every option holds the unit's inputs: its first layers save them, or the recompute needs them.
         options[option] = _budget.Option(option, input_bytes + kept, transient, extra)

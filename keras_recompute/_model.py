@@ -30,7 +30,7 @@ import math
 import sys
 import warnings
 
-from keras_recompute import _budget, _config, _context, _memory, _policy
+from keras_recompute import _budget, _config, _context, _fit, _memory, _policy
 from keras_recompute._decorator import recompute_grad
 from keras_recompute._errors import RecomputeError
 
@@ -218,14 +218,7 @@ def memory_report(model, inputs, *, blocks="auto", execution=None, offload=None)
             f"of type {type(model).__name__}."
         )
     framework = _framework(model)
-    plan = model.__dict__.get(_PLAN)
-    pieces = None
-    if plan is not None and plan.pieces is not None and isinstance(blocks, str) and blocks == "auto":
-        pieces = plan.pieces  # the pieces the model runs as
-    units = None if pieces is not None else _choose_blocks(model, framework, blocks)
-    if units is None:
-        pieces = pieces or _Pieces.of(model, framework, None)
-        units = pieces.units
+    plan, units, pieces = _units_of(model, framework, blocks)
     applied = plan.applied() if plan is not None else {}
     if execution is None and plan is not None:
         execution = plan.execution  # a plan's report is for the execution it was made for
@@ -243,6 +236,153 @@ def memory_report(model, inputs, *, blocks="auto", execution=None, offload=None)
             f"{'with enabled=True' if plan.enabled is False else 'with RECOMPUTE=1 or inside recompute_scope(True)'}"
         )
     return result
+
+
+def _units_of(model, framework, blocks):
+    """`(plan, units, pieces)`: the model's plan (or None), the units a report or fit is over, their graph pieces (or None)."""
+    plan = model.__dict__.get(_PLAN)
+    pieces = None
+    if plan is not None and plan.pieces is not None and isinstance(blocks, str) and blocks == "auto":
+        pieces = plan.pieces  # the pieces the model runs as
+    units = None if pieces is not None else _choose_blocks(model, framework, blocks)
+    if units is None:
+        pieces = pieces or _Pieces.of(model, framework, None)
+        units = pieces.units
+    return plan, units, pieces
+
+
+def measured_costs(model, inputs, *, blocks="auto", execution=None, offload=False, where="largest_fit"):
+    """`(units, costs, execution, reason)`: the `_budget.Model` of `model`'s units at `inputs`, offload counted.
+
+    What `memory_report` measures, without the report: for callers that
+    plan over several batch shapes (`largest_fit`).
+    """
+    _refuse_keras2(model, where)
+    if not _context.is_layer(model):
+        raise TypeError(
+            f"keras_recompute: {where} takes a Keras 3 or tf_keras model; received {model!r} "
+            f"of type {type(model).__name__}."
+        )
+    framework = _framework(model)
+    plan, units, pieces = _units_of(model, framework, blocks)
+    if execution is None and plan is not None:
+        execution = plan.execution
+    _check_offload(model, framework, offload, where)
+    execution, reason = _memory.execution_of(model, execution, where)
+    with pieces.measuring() if pieces is not None else contextlib.nullcontext():
+        costs, _ = _memory.costs(model, units, inputs, execution)
+    costs, _ = _memory.with_offload(model, costs, offload)
+    return units, costs, execution, reason
+
+
+def largest_fit(
+    model,
+    budget,
+    make_inputs,
+    *,
+    axis="batch",
+    sizes=None,
+    options=None,
+    plan=True,
+    offload=False,
+    execution=None,
+    blocks="auto",
+    multiple_of=1,
+    limit=1 << 20,
+    headroom=_fit.HEADROOM,
+):
+    """The largest batch (or sequence length) whose training step fits `budget`, per option, predicted.
+
+    Measures what each unit keeps under each option at a few small sizes,
+    fits each figure by a polynomial in the size (degree 1 along the batch, 2
+    along the sequence: attention's scores), and reads off, for no recompute,
+    each policy applied to every unit, and the budget planner's plan, the
+    largest size whose predicted peak fits. Nothing runs at the sizes
+    predicted (NOTE [ predicting the largest fit ] in `_fit`); where the
+    model's memory does not follow the fit at the sizes measured, that row
+    says so instead of answering.
+
+    Args:
+        model: a Keras 3 or tf_keras model (compile it with its optimizer
+            first: its slots and update are counted).
+        budget: the peak a training step may use: bytes, or a size with a
+            unit (`"8GiB"`, `"2500MiB"`).
+        make_inputs: `size -> inputs`: a batch as the model takes it, with
+            `size` rows (`axis="batch"`) or `size` positions
+            (`axis="sequence"`).
+        axis: `"batch"` or `"sequence"`.
+        sizes: the sizes to measure at (default: batch 2, 4, 8; sequence
+            64, 128, 192, 256); at least 3 for the batch, 4 for the sequence.
+        options: the options to answer for (default: `"none"`, `"full"`,
+            `"save_dots"`, `"attention_core"`; each applied to every unit it
+            applies to).
+        plan: also answer for `recompute_model(budget=...)`'s plan.
+        offload: count the recomputed units' inputs in host memory, as
+            `recompute_model(offload=True)` does.
+        execution: `"eager"`, `"compiled"` or None, as in `recompute_model`.
+        blocks: the units, as in `recompute_model`.
+        multiple_of: answer in multiples of this (a sequence length your
+            model needs to be a multiple of 8, say).
+        limit: the largest size searched.
+        headroom: the fraction of `budget` kept free for the prediction's
+            error (about 10% either way, measured): sizes are answered whose
+            predicted peak fits `budget * (1 - headroom)`. 0 answers against
+            the whole budget.
+
+    Returns:
+        A `FitReport`: `print(report)` shows the table; `report.largest("full")`
+        is one answer; `report.rows` holds them all, with the predicted peak
+        at the answer and at the next size.
+
+    Raises:
+        ValueError: for a budget below what any plan needs at the smallest
+            size, a `make_inputs` that ignores its size, inputs with no
+            sequence axis under `axis="sequence"`, or bad arguments.
+
+    Example:
+
+    ```python
+    make = lambda n: {"token_ids": np.ones((n, 512), "int32"), "padding_mask": np.ones((n, 512), "int32")}
+    report = keras_recompute.largest_fit(model, "16GiB", make)
+    print(report)
+    recompute_model(model, policy="full")   # then train at report.largest("full")
+    ```
+    """
+    budget_bytes, sizes = _fit.check_arguments(axis, sizes, budget, multiple_of, headroom)
+    usable = budget_bytes * (1 - headroom)
+    options = _fit.default_options() if options is None else list(options)
+    for option in options:
+        if option != _budget.NONE:
+            _policy.check(option, "largest_fit")
+    batches = _fit.checked_inputs(make_inputs, sizes, axis, _flatten)
+    measured, execution_used, reason = [], None, ""
+    for inputs in batches:
+        _, costs, execution_used, reason = measured_costs(
+            model, inputs, blocks=blocks, execution=execution, offload=offload, where="largest_fit"
+        )
+        measured.append(costs)
+    fitted = _fit.FittedModel(sizes, measured, _fit.DEGREES[axis])
+    rows = _fit.fit_rows(fitted, usable, options, plan, limit, multiple_of)
+    answered = [row for row in rows if row["largest"]]
+    if not answered and all((row["residual"] or 0.0) <= _fit.RESIDUAL_LIMIT for row in rows):
+        floor = fitted.at(multiple_of).floor()
+        raise ValueError(
+            f"keras_recompute: largest_fit(budget={budget!r})"
+            + (f", less its headroom ({headroom:.0%}: {_budget.format_bytes(usable)})," if headroom else "")
+            + f" is below the least peak any plan reaches at "
+            f"{axis} {multiple_of}: {_budget.format_bytes(floor)} (weights, optimizer and inputs alone: "
+            f"{_budget.format_bytes(fitted.at(multiple_of).resident)}). Allow more memory, or use a smaller model."
+        )
+    title = f"keras_recompute largest fit: {model.name!r}, {len(fitted.names)} units, {_memory._backend_name(model)}"
+    return _fit.FitReport(title, axis, budget_bytes, sizes, rows, execution_used, reason, multiple_of, headroom)
+
+
+def _flatten(structure):
+    if isinstance(structure, dict):
+        return [leaf for key in sorted(structure, key=str) for leaf in _flatten(structure[key])]
+    if isinstance(structure, (list, tuple)):
+        return [leaf for item in structure for leaf in _flatten(item)]
+    return [structure]
 
 
 def unrecompute_model(model):

@@ -30,6 +30,7 @@ import pytest  # noqa: E402
 _TENSORFLOW_RUN_ONLY = [
     "test_config.py",
     "test_budget_solver.py",
+    "test_fit_solver.py",
     "test_budget_tf_keras.py",
     "test_context_tensorflow.py",
     "test_memory.py",

@@ -1,0 +1,227 @@
+"""`largest_fit`: the largest batch or sequence length predicted to fit a budget, then a step run there and one size above.
+
+Models:
+    keras-hub-bert   keras-hub `BertBackbone` BERT-base (12 x 768, seq 128,
+                     dropout 0.1) with a classifier on the pooled output, Adam,
+                     as `max_batch.py` builds it: the batch
+    bert4keras       bert4keras BERT-base (12 x 768, seq 128, dropout 0.1),
+                     legacy Adam, tf_keras, as `max_batch.py` builds it: the
+                     batch, beside its bisected figures (TensorFlow only)
+    gemma-lora       a small keras-hub `GemmaCausalLM` (4 blocks of 256, 4
+                     heads, vocabulary 4096) with LoRA (rank 8) on, Adam,
+                     trained on next tokens: the sequence length
+`--size base` or `small` (4 blocks of 256) picks the BERTs' size.
+
+For each option (none, `full`, `save_dots`, `attention_core` where it
+applies, and `recompute_model(budget=...)`'s plan), a child process predicts
+the largest size with `largest_fit` (from `--sizes`, three batches or four
+sequence lengths); `--verify` then runs, each in a child of its own, one
+training step at the predicted size and one at the next, and measures its
+peak as the backend keeps it on a CPU (TensorFlow: the BFC allocator; JAX:
+resident bytes plus XLA's buffers for the compiled step; PyTorch: the
+profiler's allocation records; on a GPU, the device allocator).
+
+Usage:
+    python benchmarks/largest_fit.py keras-hub-bert --backend tensorflow --budget-mb 3000 --verify --out benchmarks/results/largest_fit_keras_hub_bert_tensorflow.json
+    python benchmarks/largest_fit.py bert4keras --budget-mb 2500 --verify
+    python benchmarks/largest_fit.py gemma-lora --backend jax --budget-mb 1500 --verify
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _measure  # noqa: E402
+
+MODELS = ("keras-hub-bert", "bert4keras", "gemma-lora")
+AXIS = {"keras-hub-bert": "batch", "bert4keras": "batch", "gemma-lora": "sequence"}
+SIZES = {"batch": [2, 4, 8], "sequence": [64, 128, 192, 256]}
+OPTIONS = ("none", "full", "save_dots", "attention_core")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", choices=MODELS)
+    parser.add_argument("--backend", choices=("tensorflow", "jax", "torch"), default="tensorflow")
+    parser.add_argument("--size", choices=("base", "small"), default="base")
+    parser.add_argument("--budget-mb", type=float, required=True, help="the budget, MiB")
+    parser.add_argument("--sizes", type=int, nargs="+", help="sizes to measure at (default: batch 2 4 8; sequence 64 128 192 256)")
+    parser.add_argument("--seq", type=int, default=128, help="the BERTs' sequence length")
+    parser.add_argument("--batch", type=int, default=1, help="gemma-lora's batch")
+    parser.add_argument("--options", nargs="+", default=list(OPTIONS) + ["plan"])
+    parser.add_argument("--headroom", type=float, default=0.1, help="largest_fit's headroom (default 0.1)")
+    parser.add_argument("--multiple-of", type=int, default=1, help="answer in multiples of this")
+    parser.add_argument("--verify", action="store_true", help="run a step at each predicted size and the next")
+    parser.add_argument("--out", help="also write the results as JSON to this file")
+    parser.add_argument("--child", choices=("predict", "step"), help=argparse.SUPPRESS)
+    parser.add_argument("--option", help=argparse.SUPPRESS)
+    parser.add_argument("--at", type=int, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def build(args):
+    """The model (compiled), `make(size) -> (inputs, labels)`."""
+    import numpy as np
+
+    if args.model == "bert4keras":
+        os.environ["TF_KERAS"] = "1"
+        os.environ["TF_USE_LEGACY_KERAS"] = "1"
+        import bert4keras_bert
+
+        config = bert4keras_bert.parse_args([])
+        if args.size == "small":
+            vars(config).update(layers=4, hidden=256, heads=4, intermediate=1024)
+        config.seq = args.seq
+        model = bert4keras_bert.build_classifier(config)
+
+        def make(size):
+            rng = np.random.RandomState(size)
+            tokens = rng.randint(1, config.vocab, size=(size, args.seq)).astype("int32")
+            return [tokens, np.zeros_like(tokens)], rng.randint(0, 2, size=(size,)).astype("int32")
+
+        return model, make
+    import keras
+    import keras_hub
+
+    keras.utils.set_random_seed(0)
+    if args.model == "keras-hub-bert":
+        base = args.size == "base"
+        backbone = keras_hub.models.BertBackbone(
+            vocabulary_size=30522, num_layers=12 if base else 4, num_heads=12 if base else 4,
+            hidden_dim=768 if base else 256, intermediate_dim=3072 if base else 1024, dropout=0.1,
+            max_sequence_length=max(512, args.seq),
+        )
+        model = keras.Model(backbone.input, keras.layers.Dense(2)(backbone.output["pooled_output"]))
+        model.compile(optimizer=keras.optimizers.Adam(1e-5), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+        def make(size):
+            rng = np.random.RandomState(size)
+            tokens = rng.randint(1, 30522, size=(size, args.seq)).astype("int32")
+            inputs = {"token_ids": tokens, "segment_ids": np.zeros_like(tokens), "padding_mask": np.ones_like(tokens)}
+            return inputs, rng.randint(0, 2, size=(size,)).astype("int32")
+
+        return model, make
+    backbone = keras_hub.models.GemmaBackbone(
+        vocabulary_size=4096, num_layers=4, num_query_heads=4, num_key_value_heads=1, hidden_dim=256,
+        intermediate_dim=1024, head_dim=64,
+    )
+    backbone.enable_lora(8)
+    model = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
+    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+    def make(size):
+        rng = np.random.RandomState(size)
+        tokens = rng.randint(1, 4096, size=(args.batch, size)).astype("int32")
+        return {"token_ids": tokens, "padding_mask": np.ones_like(tokens)}, np.roll(tokens, -1, axis=1)
+
+    return model, make
+
+
+def child_predict(args):
+    from keras_recompute import largest_fit
+
+    model, make = build(args)
+    options = [o for o in args.options if o != "plan"]
+    started = time.perf_counter()
+    report = largest_fit(model, int(args.budget_mb * 2**20), lambda size: make(size)[0], axis=AXIS[args.model],
+                         sizes=args.sizes or SIZES[AXIS[args.model]], options=options, plan="plan" in args.options,
+                         headroom=args.headroom, multiple_of=args.multiple_of)
+    seconds = time.perf_counter() - started
+    print(json.dumps({"rows": report.rows, "seconds": seconds, "execution": report.execution, "text": str(report)}))
+
+
+def child_step(args):
+    """One option at one size: two training steps; the second's peak as this backend keeps it."""
+    import keras_recompute
+
+    model, make = build(args)
+    inputs, labels = make(args.at)
+    if args.option == "plan":  # what a user does with the answer: plan at that size, for the same usable budget
+        usable = int(args.budget_mb * 2**20 * (1 - args.headroom))
+        keras_recompute.recompute_model(model, budget=usable, inputs=inputs, enabled=True)
+    elif args.option != "none":
+        keras_recompute.recompute_model(model, policy=args.option, enabled=True)
+    backend = "tensorflow" if args.model == "bert4keras" else args.backend
+    model.train_on_batch(inputs, labels)
+    _measure.reset_peak(backend)
+    model.train_on_batch(inputs, labels)
+    record = {"peak": _measure.peak(backend)}
+    if record["peak"] is None and backend == "jax":
+        from keras_recompute import _memory
+
+        resident = _memory._variable_bytes(model.variables) + _memory._optimizer_bytes(model) + _memory._tensor_bytes(inputs)
+        record["peak"] = resident + _measure.xla_temp_bytes(model, inputs, labels)
+        record["peak_kind"] = "resident + XLA temporaries of the compiled step"
+    elif record["peak"] is None:
+        variables = [v.value for v in model.variables + model.optimizer.variables]
+        live = variables + [v.grad for v in variables if v.grad is not None]
+        record["peak"] = _measure.torch_cpu_peak(lambda: model.train_on_batch(inputs, labels), live)
+        record["peak_kind"] = "PyTorch profiler's allocation records"
+    else:
+        record["peak_kind"] = "allocator peak"
+    print(json.dumps(record))
+
+
+def _child_arguments(args):
+    arguments = [args.model, "--backend", args.backend, "--size", args.size, "--budget-mb", args.budget_mb,
+                 "--seq", args.seq, "--batch", args.batch, "--headroom", args.headroom, "--multiple-of", args.multiple_of,
+                 "--options", *args.options]
+    if args.sizes:
+        arguments += ["--sizes", *args.sizes]
+    return arguments
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.child == "predict":
+        return child_predict(args)
+    if args.child == "step":
+        return child_step(args)
+    backend = "tensorflow" if args.model == "bert4keras" else args.backend
+    script = os.path.abspath(__file__)
+    base = _child_arguments(args)
+    predicted = _measure.run(script, base + ["--child", "predict"], backend, label="predicting")
+    if "error" in predicted:
+        raise SystemExit(f"largest_fit failed: {predicted['error']}")
+    print(predicted["text"])
+    budget = args.budget_mb * 2**20
+    results = []
+    for row in predicted["rows"]:
+        record = {key: row.get(key) for key in ("option", "largest", "predicted_peak", "next_peak", "residual", "policies", "note")}
+        if args.verify and row.get("largest"):
+            for key, size in (("at_largest", row["largest"]), ("at_next", row["largest"] + args.multiple_of)):
+                step = _measure.run(script, base + ["--child", "step", "--option", row["option"], "--at", size], backend,
+                                    label=f"{row['option']} at {size}")
+                record[key] = step
+            fitted = record["at_largest"]
+            if "error" not in fitted:
+                record["measured_over_predicted"] = fitted["peak"] / row["predicted_peak"]
+                record["fits_budget"] = fitted["peak"] <= budget
+            following = record["at_next"]
+            if "error" not in following:
+                record["next_fits_usable"] = following["peak"] <= budget * (1 - args.headroom)
+        results.append(record)
+    if args.verify:
+        print(f"\n{'option':16} {'largest':>8} {'predicted':>10} {'measured':>10} {'ratio':>6} {'under budget':>12} {'next measured':>13}")
+        for record in results:
+            if not record.get("largest"):
+                print(f"{record['option']:16} {'-':>8}  {record.get('note') or ''}")
+                continue
+            at, following = record["at_largest"], record["at_next"]
+            measured = "error" if "error" in at else f"{at['peak'] / 2**20:.1f} MiB"
+            after = "error" if "error" in following else f"{following['peak'] / 2**20:.1f} MiB"
+            print(f"{record['option']:16} {record['largest']:>8} {record['predicted_peak'] / 2**20:>6.1f} MiB {measured:>10} "
+                  f"{record.get('measured_over_predicted', float('nan')):>6.3f} {str(record.get('fits_budget', '-')):>12} {after:>13}")
+    arguments = {key: value for key, value in vars(args).items() if key not in ("child", "option", "at", "out")}
+    arguments["axis"] = AXIS[args.model]
+    arguments["backend"] = backend
+    arguments["prediction_seconds"] = predicted["seconds"]
+    arguments["execution"] = predicted["execution"]
+    _measure.write_json(args.out, arguments, results)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,341 @@
+"""The largest batch or sequence length that fits a memory budget, predicted, not found by running out of memory.
+
+NOTE [ predicting the largest fit ]
+Lightning's `scale_batch_size` and Accelerate's `find_executable_batch_size`
+answer "what fits?" by running steps until one runs out of memory: minutes
+on a GPU, and on a CPU an out-of-memory run can take the machine down. Here
+the answer is predicted from the same numbers a budget plan uses
+(NOTE [ the peak of a plan ] in `_budget`): what each unit keeps and
+holds under each option, what lies outside the units, what stays resident.
+They are measured at a few small sizes (`sizes`), and each is fitted, as a
+function of the size, by a polynomial: of degree 1 along the batch (every
+activation is a batch of rows), of degree 2 along the sequence (attention's
+scores, softmax and dropout mask are sequence x sequence; the rest is linear
+in it). The fitted `_budget.Model` at any size then gives each option's peak,
+and the solver's plan, without running the model there; the largest size
+whose peak fits is found by doubling, then bisection, over the fitted model.
+
+A model whose memory does not follow the fitted curve would be extrapolated
+wrongly: the residual of each option's peak at the measured sizes (the
+fitted peak against the measured one) is reported, and where it exceeds
+`RESIDUAL_LIMIT` that option has no answer, with the residual named. With
+only degree + 1 sizes the fit is exact and has no residual: at least one
+size more is needed, so the defaults measure three batch sizes and four
+sequence lengths.
+
+The prediction is that of a plan's peak, and it errs both ways by up to
+about 10% against a measured one (TensorFlow's executor orders a graph's
+ops differently from run to run: the same step of a recomputed encoder
+peaked 2.5-5.9 MB apart at 23-28 MB on the CPU). An answer that runs out of
+memory costs more than one a little smaller, so by default the predicted
+peak must fit 90% of the budget (`headroom=0.1`); `headroom=0` answers
+against the whole budget.
+"""
+
+from keras_recompute import _budget, _policy
+
+AXES = {"batch": 0, "sequence": 1}
+DEGREES = {"batch": 1, "sequence": 2}
+DEFAULT_SIZES = {"batch": (2, 4, 8), "sequence": (64, 128, 192, 256)}
+RESIDUAL_LIMIT = 0.05
+HEADROOM = 0.10
+PLAN = "plan"
+
+
+class FitReport:
+    """The largest size that fits a budget, per option, predicted (NOTE [ predicting the largest fit ]).
+
+    Attributes:
+        axis: `"batch"` or `"sequence"`.
+        budget: the budget, in bytes.
+        headroom: the fraction of the budget kept free for the prediction's
+            error; sizes are answered against `usable`, `budget * (1 - headroom)`.
+        sizes: the sizes measured.
+        rows: one dict per option (`"none"`, each policy, `"plan"`):
+            `"option"`, `"largest"` (the largest size whose predicted peak
+            fits, or None), `"predicted_peak"` there and `"next_peak"` at the
+            next size (bytes), `"residual"` (the fit's largest relative error
+            at the measured sizes), `"policies"` (for `"plan"`: each unit's
+            policy at the largest size) and `"note"` (why there is no answer).
+        execution: the execution the prediction is for (`"eager"` or
+            `"compiled"`), and `execution_reason` why.
+    """
+
+    def __init__(self, title, axis, budget, sizes, rows, execution, execution_reason, multiple_of=1, headroom=0.0):
+        self.title = title
+        self.axis = axis
+        self.budget = budget
+        self.headroom = headroom
+        self.usable = budget * (1 - headroom)
+        self.sizes = list(sizes)
+        self.rows = rows
+        self.execution = execution
+        self.execution_reason = execution_reason
+        self.multiple_of = multiple_of
+
+    def largest(self, option):
+        """The largest size for `option` (`"none"`, a policy, or `"plan"`), or None."""
+        return next(row["largest"] for row in self.rows if row["option"] == option)
+
+    def __str__(self):
+        unit = "batch" if self.axis == "batch" else "sequence length"
+        header = ["option", f"largest {unit}", "predicted peak", f"at the next {unit}", "fit residual", "plan or note"]
+        lines = [header]
+        for row in self.rows:
+            plan = row.get("policies")
+            detail = "; ".join(text for text in (_plan_text(plan) if plan else "", row.get("note")) if text)
+            lines.append([
+                row["option"],
+                "-" if row["largest"] is None else str(row["largest"]),
+                "-" if row.get("predicted_peak") is None else _budget.format_bytes(row["predicted_peak"]),
+                "-" if row.get("next_peak") is None else _budget.format_bytes(row["next_peak"]),
+                f"{100 * row['residual']:.1f}%" if row.get("residual") is not None else "-",
+                detail,
+            ])
+        widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+        text = [
+            self.title,
+            f"budget {_budget.format_bytes(self.budget)} for a training step run "
+            f"{'eagerly' if self.execution == 'eager' else 'compiled'} ({self.execution_reason})"
+            + (f", {100 * self.headroom:.0f}% of it kept for the prediction's error: peaks predicted within "
+               f"{_budget.format_bytes(self.usable)}; " if self.headroom else "; ")
+            + f"measured at {unit} {', '.join(map(str, self.sizes))} and fitted by a polynomial of degree "
+            f"{DEGREES[self.axis]} in it",
+        ]
+        for index, line in enumerate(lines):
+            text.append("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip())
+            if index == 0:
+                text.append("  ".join("-" * width for width in widths))
+        return "\n".join(text)
+
+    def __repr__(self):
+        found = ", ".join(f"{row['option']}: {row['largest']}" for row in self.rows)
+        return f"<FitReport {self.axis} in {_budget.format_bytes(self.budget)}: {found}>"
+
+
+def _plan_text(policies):
+    runs, previous, count = [], None, 0
+    for policy in list(policies) + [None]:
+        if policy == previous:
+            count += 1
+            continue
+        if previous is not None:
+            name = "-" if previous == _budget.NONE else previous
+            runs.append(name if count == 1 else f"{name} x{count}")
+        previous, count = policy, 1
+    return " ".join(runs)
+
+
+# Fitting a measured `_budget.Model` as a function of the size.
+
+
+def polynomial(xs, ys, degree):
+    """Least-squares coefficients `c[0] + c[1] x + ...` of `degree`, through the points (plain Python)."""
+    n = degree + 1
+    scale = max(abs(x) for x in xs) or 1.0  # columns of similar size: a well-conditioned system
+    rows = [[(x / scale) ** k for k in range(n)] for x in xs]
+    normal = [[sum(r[i] * r[j] for r in rows) for j in range(n)] + [sum(r[i] * y for r, y in zip(rows, ys))] for i in range(n)]
+    for column in range(n):  # Gaussian elimination with partial pivoting
+        pivot = max(range(column, n), key=lambda row: abs(normal[row][column]))
+        normal[column], normal[pivot] = normal[pivot], normal[column]
+        if normal[column][column] == 0:
+            raise ValueError("keras_recompute: the sizes measured must differ")
+        for row in range(n):
+            if row != column:
+                factor = normal[row][column] / normal[column][column]
+                normal[row] = [a - factor * b for a, b in zip(normal[row], normal[column])]
+    return [normal[k][n] / normal[k][k] / scale**k for k in range(n)]
+
+
+def _evaluate(coefficients, x):
+    return sum(c * x**k for k, c in enumerate(coefficients))
+
+
+class FittedModel:
+    """`_budget.Model`s measured at several sizes, fitted field by field; `at(size)` is the model there."""
+
+    def __init__(self, sizes, models, degree):
+        self.sizes = list(sizes)
+        self.models = list(models)
+        self.degree = degree
+        first = models[0]
+        self.names = [unit.name for unit in first.units]
+        self.options = [list(unit.options) for unit in first.units]
+        for model in models[1:]:
+            if [unit.name for unit in model.units] != self.names or [list(u.options) for u in model.units] != self.options:
+                raise ValueError("keras_recompute: the model's units or their options differ between the sizes measured")
+        fit = lambda values: polynomial(self.sizes, values, degree)  # noqa: E731
+        self._fixed = {name: fit([getattr(m, name) for m in models]) for name in ("resident", "outside", "outside_gradient_bytes", "update")}
+        self._units = []
+        for index in range(len(self.names)):
+            unit_models = [m.units[index] for m in models]
+            options = {}
+            for option in self.options[index]:
+                picked = [u.options[option] for u in unit_models]
+                options[option] = tuple(fit([getattr(o, field) for o in picked]) for field in ("kept", "transient", "seconds"))
+            self._units.append((
+                fit([u.gradient_bytes for u in unit_models]), fit([u.input_bytes for u in unit_models]), options,
+            ))
+
+    def at(self, size):
+        """The `_budget.Model` the fit predicts at `size` (no field below 0)."""
+        value = lambda coefficients: max(0.0, _evaluate(coefficients, size))  # noqa: E731
+        units = []
+        for name, (gradients, inputs, options) in zip(self.names, self._units):
+            built = {
+                option: _budget.Option(option, value(kept), value(transient), value(seconds))
+                for option, (kept, transient, seconds) in options.items()
+            }
+            units.append(_budget.UnitCosts(name, built, value(gradients), value(inputs)))
+        fixed = {name: value(coefficients) for name, coefficients in self._fixed.items()}
+        return _budget.Model(units, fixed["resident"], fixed["outside"], fixed["outside_gradient_bytes"], fixed["update"])
+
+    def residual(self, peak):
+        """The largest relative error of `peak(model)` between the fit and the measurement, at the sizes measured."""
+        worst = 0.0
+        for size, measured in zip(self.sizes, self.models):
+            actual = peak(measured)
+            if actual:
+                worst = max(worst, abs(peak(self.at(size)) - actual) / actual)
+        return worst
+
+
+def largest(fits, start, limit, multiple_of=1):
+    """The largest multiple of `multiple_of` in [multiple_of, limit] for which `fits(size)` holds, or 0.
+
+    `fits` is taken to hold up to some size and not after it: doubling from
+    `start`, then bisection.
+    """
+    step = multiple_of
+    low = 0
+    size = max(step, (start // step) * step)
+    if not fits(step):
+        return 0
+    low = step
+    while size <= limit and fits(size):
+        low, size = size, size * 2
+    high = min(size, limit + step)
+    while high - low > step:
+        middle = ((low + high) // 2 // step) * step
+        if middle <= low:
+            break
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
+def fit_rows(fitted, budget, options, plan=True, limit=1 << 20, multiple_of=1):
+    """One row per option (and the plan): the largest size whose predicted peak fits `budget`."""
+    rows = []
+    start = max(fitted.sizes)
+    uniform = [option for option in options if all(option in unit_options for unit_options in fitted.options)]
+    for option in options:
+        if option not in uniform:
+            missing = [name for name, unit_options in zip(fitted.names, fitted.options) if option not in unit_options]
+            rows.append({"option": option, "largest": None, "predicted_peak": None, "next_peak": None, "residual": None,
+                         "note": f"does not apply to {len(missing)} of the {len(fitted.names)} units ({missing[0]}, ...)"})
+            continue
+        choice = [option] * len(fitted.names)
+        peak_at = lambda size, choice=choice: fitted.at(size).peak(choice)  # noqa: E731
+        residual = fitted.residual(lambda model, choice=choice: model.peak(choice))
+        row = _row(option, peak_at, residual, budget, start, limit, multiple_of)
+        rows.append(row)
+    if plan:
+        def planned_peak(size):
+            model = fitted.at(size)
+            policies = _budget.solve(model, budget)
+            return model.peak(policies) if policies is not None else float("inf")
+
+        # A plan changes with the size; its fit is as good as that of the options it is made of.
+        residual = max((fitted.residual(lambda model, o=o: model.peak([o] * len(fitted.names))) for o in uniform), default=0.0)
+        row = _row(PLAN, planned_peak, residual, budget, start, limit, multiple_of)
+        if row["largest"]:
+            row["policies"] = _budget.solve(fitted.at(row["largest"]), budget)
+        rows.append(row)
+    return rows
+
+
+def _row(option, peak_at, residual, budget, start, limit, multiple_of):
+    row = {"option": option, "largest": None, "predicted_peak": None, "next_peak": None, "residual": residual}
+    if residual > RESIDUAL_LIMIT:
+        row["note"] = (
+            f"memory does not follow the fitted curve: {100 * residual:.1f}% off at a measured size "
+            f"(more than {100 * RESIDUAL_LIMIT:.0f}%); measure sizes nearer the answer"
+        )
+        return row
+    found = largest(lambda size: peak_at(size) <= budget, start, limit, multiple_of)
+    if not found:
+        row["note"] = f"even {multiple_of} does not fit: {_budget.format_bytes(peak_at(multiple_of))} predicted"
+        return row
+    row["largest"] = found
+    row["predicted_peak"] = peak_at(found)
+    if found + multiple_of <= limit:
+        following = peak_at(found + multiple_of)
+        row["next_peak"] = following if following != float("inf") else None
+        if following == float("inf"):
+            row["note"] = f"no plan fits at {found + multiple_of}"
+    else:
+        row["note"] = f"fits up to the search's limit, {limit}"
+    return row
+
+
+def default_options():
+    return [_budget.NONE, _policy.FULL, _policy.SAVE_DOTS, _policy.ATTENTION_CORE]
+
+
+def checked_inputs(make_inputs, sizes, axis, flatten):
+    """`[make_inputs(size) for size in sizes]`, each checked to have `size` along `axis` in some input."""
+    index = AXES[axis]
+    batches, shapes = [], []
+    for size in sizes:
+        inputs = make_inputs(size)
+        leaves = [leaf for leaf in flatten(inputs) if hasattr(leaf, "shape")]
+        leaf_shapes = [tuple(int(d) if d is not None else -1 for d in leaf.shape) for leaf in leaves]
+        if not leaf_shapes:
+            raise ValueError(f"keras_recompute: largest_fit's make_inputs({size}) returned no arrays: {inputs!r}.")
+        if not any(len(shape) > index and shape[index] == size for shape in leaf_shapes):
+            where = "the first (batch) axis" if axis == "batch" else "the second (sequence) axis"
+            hint = (
+                "" if axis == "batch" else
+                " A model whose inputs have no sequence axis (features of a fixed size) can only be fitted "
+                "along the batch: axis='batch'."
+            )
+            raise ValueError(
+                f"keras_recompute: largest_fit(axis={axis!r}) needs make_inputs(size) to return inputs with "
+                f"`size` along {where}; make_inputs({size}) returned shapes {leaf_shapes}. Make it build a batch "
+                f"of that size from its argument.{hint}"
+            )
+        batches.append(inputs)
+        shapes.append(leaf_shapes)
+    if len(set(map(tuple, shapes))) < len(shapes):
+        raise ValueError(
+            f"keras_recompute: largest_fit's make_inputs returned the same shapes for different sizes "
+            f"({dict(zip(sizes, shapes))}): it must use its size argument."
+        )
+    return batches
+
+
+def check_arguments(axis, sizes, budget, multiple_of, headroom=0.0):
+    if axis not in AXES:
+        raise ValueError(f"keras_recompute: largest_fit(axis=...) takes one of {list(AXES)}; received {axis!r}.")
+    kind, value = _budget.parse_budget(budget)
+    if kind != "bytes":
+        raise ValueError(
+            f"keras_recompute: largest_fit(budget=...) takes a size (bytes, or '8GiB'); received {budget!r}, a "
+            "fraction of the plain model's activations, which changes with the size being sought."
+        )
+    sizes = list(DEFAULT_SIZES[axis] if sizes is None else sizes)
+    needed = DEGREES[axis] + 2
+    if len(set(sizes)) < needed or any(not isinstance(s, int) or s < 1 for s in sizes):
+        raise ValueError(
+            f"keras_recompute: largest_fit(axis={axis!r}) needs at least {needed} different positive integer "
+            f"sizes to fit a polynomial of degree {DEGREES[axis]} and see how far the model is from it; "
+            f"received sizes={sizes!r}."
+        )
+    if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0 <= headroom < 1:
+        raise ValueError(
+            f"keras_recompute: largest_fit(headroom=...) takes the fraction of the budget to keep free, in [0, 1); "
+            f"received {headroom!r}."
+        )
+    if not isinstance(multiple_of, int) or multiple_of < 1:
+        raise ValueError(f"keras_recompute: largest_fit(multiple_of=...) takes a positive int; received {multiple_of!r}.")
+    return value, sorted(set(sizes))

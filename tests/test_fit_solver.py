@@ -1,0 +1,155 @@
+"""`_fit` over plain numbers: the fit of measured models in the size, the search, the refusals (no framework)."""
+
+import numpy as np
+import pytest
+
+from keras_recompute import _budget, _fit
+
+MB = 10**6
+
+
+def model_at(size, kept_per=(4.0, 0.5), quadratic=0.0, cube=0.0, units=4):
+    """A synthetic measured model: each unit keeps `a s + q s^2 (+ c s^3)` plain, `b s` under full."""
+    plain, full = kept_per
+    built = []
+    for index in range(units):
+        options = {
+            "none": _budget.Option("none", MB * (plain * size + quadratic * size**2 + cube * size**3), MB * size, 0.0),
+            "full": _budget.Option("full", MB * full * size, MB * (size + plain * size + quadratic * size**2), 0.01 * size),
+        }
+        built.append(_budget.UnitCosts(f"block_{index}", options, 2 * MB, MB * full * size))
+    return _budget.Model(built, resident=50 * MB + MB * size, outside=MB * 0.2 * size, outside_gradient_bytes=3 * MB, update=4 * MB)
+
+
+def fitted(sizes, degree, **kwargs):
+    return _fit.FittedModel(sizes, [model_at(s, **kwargs) for s in sizes], degree)
+
+
+def brute_largest(peak_at, budget, limit=5000):
+    return max((s for s in range(1, limit) if peak_at(s) <= budget), default=0)
+
+
+@pytest.mark.parametrize("degree, coefficients", [(1, [3.0, -2.0]), (2, [1.5, 0.25, 0.125])])
+def test_the_fit_recovers_a_polynomial(degree, coefficients):
+    xs = [64, 128, 192, 256]
+    ys = [sum(c * x**k for k, c in enumerate(coefficients)) for x in xs]
+    assert np.allclose(_fit.polynomial(xs, ys, degree), coefficients, rtol=1e-9, atol=1e-9)
+
+
+def test_along_the_batch_the_fitted_model_is_the_measured_one_anywhere():
+    fit = fitted([2, 4, 8], 1)
+    for size in (3, 17, 300):
+        for choice in (["none"] * 4, ["full"] * 4, ["full", "none", "full", "none"]):
+            assert fit.at(size).peak(choice) == pytest.approx(model_at(size).peak(choice), rel=1e-8, abs=64)
+    assert fit.residual(lambda m: m.peak(["none"] * 4)) < 1e-6
+
+
+def test_along_the_sequence_a_quadratic_is_followed():
+    fit = fitted([64, 128, 192, 256], 2, quadratic=0.01)
+    for size in (100, 1000, 4096):
+        assert fit.at(size).peak(["none"] * 4) == pytest.approx(model_at(size, quadratic=0.01).peak(["none"] * 4), rel=1e-8, abs=64)
+
+
+@pytest.mark.parametrize("axis, sizes, kwargs", [("batch", [2, 4, 8], {}), ("sequence", [64, 128, 192, 256], {"quadratic": 0.01})])
+def test_the_largest_size_is_the_brute_force_answer_and_the_next_does_not_fit(axis, sizes, kwargs):
+    fit = fitted(sizes, _fit.DEGREES[axis], **kwargs)
+    budget = 900 * MB
+    rows = {row["option"]: row for row in _fit.fit_rows(fit, budget, ["none", "full"], plan=True, limit=5000)}
+    for option in ("none", "full"):
+        want = brute_largest(lambda s: model_at(s, **kwargs).peak([option] * 4), budget)
+        row = rows[option]
+        assert row["largest"] == want > 0, (option, row)
+        assert row["predicted_peak"] <= budget < row["next_peak"]
+    assert rows["full"]["largest"] > rows["none"]["largest"]
+    plan = rows["plan"]
+    want = brute_largest(lambda s: 0 if _budget.solve(model_at(s, **kwargs), budget) is not None else 2 * budget, budget)
+    assert plan["largest"] == want and plan["largest"] >= rows["full"]["largest"]
+    assert len(plan["policies"]) == 4 and "full" in plan["policies"]
+
+
+def test_multiple_of_rounds_down_to_a_multiple():
+    fit = fitted([2, 4, 8], 1)
+    budget = 700 * MB
+    rows = {row["option"]: row for row in _fit.fit_rows(fit, budget, ["full"], plan=False, multiple_of=8, limit=5000)}
+    want = brute_largest(lambda s: model_at(s).peak(["full"] * 4) if s % 8 == 0 else 2 * budget, budget)
+    assert rows["full"]["largest"] == want and want % 8 == 0
+
+
+def test_memory_that_does_not_follow_the_fit_gets_no_answer_but_its_residual():
+    fit = fitted([2, 4, 8], 1, cube=0.05)  # cubic in the batch: a line cannot follow it
+    rows = {row["option"]: row for row in _fit.fit_rows(fit, 900 * MB, ["none", "full"], plan=True, limit=5000)}
+    none = rows["none"]
+    assert none["largest"] is None and none["residual"] > _fit.RESIDUAL_LIMIT and "does not follow" in none["note"]
+    assert rows["plan"]["largest"] is None
+    assert rows["full"]["largest"] is not None  # full keeps a line: it still answers
+
+
+def test_a_budget_under_the_smallest_size_answers_nothing():
+    fit = fitted([2, 4, 8], 1)
+    rows = _fit.fit_rows(fit, 10 * MB, ["none", "full"], plan=True, limit=5000)
+    assert all(row["largest"] is None and "does not fit" in row["note"] for row in rows)
+
+
+def test_an_option_that_does_not_apply_to_every_unit_says_so():
+    fit = fitted([2, 4, 8], 1)
+    rows = _fit.fit_rows(fit, 900 * MB, ["none", "attention_core"], plan=False, limit=5000)
+    assert rows[1]["largest"] is None and "does not apply to 4 of the 4 units (block_0, ...)" in rows[1]["note"]
+    assert "does not apply" in str(_fit.FitReport("t", "batch", 900 * MB, [2, 4, 8], rows, "eager", "eager"))
+
+
+def test_the_report_reads():
+    fit = fitted([2, 4, 8], 1)
+    rows = _fit.fit_rows(fit, 900 * MB, ["none", "full"], plan=True, limit=5000)
+    report = _fit.FitReport("title", "batch", 900 * MB, [2, 4, 8], rows, "compiled", "compiled: fit runs a compiled step")
+    text = str(report)
+    assert "largest batch" in text and "900.0 MB" in text and "plan" in text and "full x" in text
+    assert report.largest("full") == rows[1]["largest"]
+
+
+@pytest.mark.parametrize(
+    "arguments, match",
+    [
+        ({"axis": "rows"}, "axis=...\\) takes one of"),
+        ({"budget": 0.5}, "takes a size"),
+        ({"sizes": [2, 4]}, "at least 3 different"),
+        ({"axis": "sequence", "sizes": [64, 128, 256]}, "at least 4 different"),
+        ({"sizes": [2, 4, 0]}, "positive integer"),
+        ({"multiple_of": 0}, "multiple_of"),
+        ({"headroom": 1.0}, "headroom=...\\) takes the fraction"),
+        ({"headroom": -0.1}, "headroom"),
+        ({"headroom": True}, "headroom"),
+    ],
+)
+def test_bad_arguments_say_what_and_how(arguments, match):
+    values = dict(axis="batch", sizes=None, budget="1GB", multiple_of=1, headroom=0.1)
+    values.update(arguments)
+    with pytest.raises(ValueError, match=match):
+        _fit.check_arguments(values["axis"], values["sizes"], values["budget"], values["multiple_of"], values["headroom"])
+
+
+def test_the_headroom_is_left_free_and_said():
+    fit = fitted([2, 4, 8], 1)
+    whole = _fit.fit_rows(fit, 900 * MB, ["full"], plan=False, limit=5000)[0]
+    kept = _fit.fit_rows(fit, 0.9 * 900 * MB, ["full"], plan=False, limit=5000)[0]
+    assert kept["largest"] < whole["largest"] and kept["predicted_peak"] <= 0.9 * 900 * MB < kept["next_peak"]
+    report = _fit.FitReport("title", "batch", 900 * MB, [2, 4, 8], [kept], "eager", "eager", headroom=0.1)
+    assert "10% of it kept for the prediction's error: peaks predicted within 810.0 MB" in str(report)
+
+
+def flatten(structure):
+    return list(structure.values()) if isinstance(structure, dict) else [structure]
+
+
+def test_inputs_that_ignore_their_size_are_refused():
+    with pytest.raises(ValueError, match="size` along the first"):
+        _fit.checked_inputs(lambda n: np.zeros((4, 16)), [2, 4, 8], "batch", flatten)
+
+
+def test_inputs_without_a_sequence_axis_are_refused_naming_the_batch():
+    with pytest.raises(ValueError, match="no sequence axis.*axis='batch'"):
+        _fit.checked_inputs(lambda n: {"features": np.zeros((n, 16))}, [64, 128, 192, 256], "sequence", flatten)
+
+
+def test_inputs_that_follow_their_size_are_taken():
+    batches = _fit.checked_inputs(lambda n: {"ids": np.zeros((2, n))}, [64, 128, 192, 256], "sequence", flatten)
+    assert [b["ids"].shape for b in batches] == [(2, 64), (2, 128), (2, 192), (2, 256)]
