@@ -211,13 +211,7 @@ def memory_report(model, inputs, *, blocks="auto", execution=None, offload=None)
     print(keras_recompute.memory_report(model, batch))
     ```
     """
-    _refuse_keras2(model, "memory_report")
-    if not _context.is_layer(model):
-        raise TypeError(
-            f"keras_recompute: memory_report takes a Keras 3 or tf_keras model; received {model!r} "
-            f"of type {type(model).__name__}."
-        )
-    framework = _framework(model)
+    framework = _checked_model(model, "memory_report")
     plan, units, pieces = _units_of(model, framework, blocks)
     applied = plan.applied() if plan is not None else {}
     if execution is None and plan is not None:
@@ -236,6 +230,17 @@ def memory_report(model, inputs, *, blocks="auto", execution=None, offload=None)
             f"{'with enabled=True' if plan.enabled is False else 'with RECOMPUTE=1 or inside recompute_scope(True)'}"
         )
     return result
+
+
+def _checked_model(model, where):
+    """The framework module of `model`, a Keras 3 or tf_keras model; else a clear error naming `where`."""
+    _refuse_keras2(model, where)
+    if not _context.is_layer(model):
+        raise TypeError(
+            f"keras_recompute: {where} takes a Keras 3 or tf_keras model; received {model!r} "
+            f"of type {type(model).__name__}."
+        )
+    return _framework(model)
 
 
 def _units_of(model, framework, blocks):
@@ -257,13 +262,7 @@ def measured_costs(model, inputs, *, blocks="auto", execution=None, offload=Fals
     What `memory_report` measures, without the report: for callers that
     plan over several batch shapes (`largest_fit`).
     """
-    _refuse_keras2(model, where)
-    if not _context.is_layer(model):
-        raise TypeError(
-            f"keras_recompute: {where} takes a Keras 3 or tf_keras model; received {model!r} "
-            f"of type {type(model).__name__}."
-        )
-    framework = _framework(model)
+    framework = _checked_model(model, where)
     plan, units, pieces = _units_of(model, framework, blocks)
     if execution is None and plan is not None:
         execution = plan.execution
