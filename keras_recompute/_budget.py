@@ -32,7 +32,7 @@ runs the units last to first. While it runs unit i:
     size, while the recompute holds the rest), and held within 2% under
     XLA (JAX). So the count depends on the backend and the unit's dropout
     (`_memory._recompute_largest`): 2 on TensorFlow where the unit drops
-    out (over-predicting by 4-20% where it varies: an answer that fits), 3
+    out (over-predicting by 4-25% where it varies: an answer that fits), 3
     on PyTorch where it drops out with a seed (6-12% over along the batch,
     within 8% along the sequence), else 1 (PyTorch's unseeded dropout is
     `F.dropout`: the encoder of benchmarks/budget.py was predicted 0-7%
