@@ -99,8 +99,9 @@ def measured_peak(axis, policy, size, env=None):
 # in `_budget`): over, where the count of a recompute's temporaries is set so that an answer fits. TensorFlow's
 # executor orders a graph's ops differently from run to run, and one step's peak moved by a fifth to a quarter
 # between runs (full at batch 46: 58.4 MB measured against 66.1 predicted; at sequence 466: 20.1 against 25.1);
-# Keras's seeded dropout on PyTorch makes about three score-sized temporaries, fewer along the batch. Under: 10%.
-TOLERANCE = {("sequence", "tensorflow"): (0.35, 0.10), ("batch", "tensorflow"): (0.20, 0.10),
+# Keras's seeded dropout on PyTorch makes about three score-sized temporaries, fewer along the batch. Under: 10%,
+# but 15% along the sequence on TensorFlow, whose executor took one step from 23.0 to 30.2 MB between runs.
+TOLERANCE = {("sequence", "tensorflow"): (0.35, 0.15), ("batch", "tensorflow"): (0.20, 0.10),
              ("sequence", "torch"): (0.15, 0.10), ("batch", "torch"): (0.20, 0.10)}
 
 
