@@ -23,10 +23,12 @@ only degree + 1 sizes the fit is exact and has no residual: at least one
 size more is needed, so the defaults measure three batch sizes and four
 sequence lengths.
 
-The prediction is that of a plan's peak, and it errs both ways by up to
-about 10% against a measured one (TensorFlow's executor orders a graph's
+The prediction is that of a plan's peak, and it errs both ways against a
+measured one: up to about 15% under (TensorFlow's executor orders a graph's
 ops differently from run to run: the same step of a recomputed encoder
-peaked 2.5-5.9 MB apart at 23-28 MB on the CPU). An answer that runs out of
+peaked at 23.0 and 30.2 MB on the CPU), and further over where the planner
+counts more than the step keeps (docs/benchmarks.md, "The largest fit").
+An answer that runs out of
 memory costs more than one a little smaller, so by default the predicted
 peak must fit 90% of the budget (`headroom=0.1`); `headroom=0` answers
 against the whole budget.
@@ -207,7 +209,6 @@ def largest(fits, start, limit, multiple_of=1):
     `start`, then bisection.
     """
     step = multiple_of
-    low = 0
     size = max(step, (start // step) * step)
     if not fits(step):
         return 0
