@@ -64,6 +64,7 @@ def parse_args(argv=None):
     parser.add_argument("--repeat", type=int, default=1, help="timed runs of every method, in turns (median and range)")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--budget-gib", type=float, help="also find the largest batch that fits")
+    parser.add_argument("--profile", action="store_true", help="PyTorch: one more step under torch's profiler, its time by op kind")
     parser.add_argument("--out", help="also write the results as JSON to this file (for benchmarks/plot.py)")
     parser.add_argument("--child", metavar="METHOD", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -168,13 +169,54 @@ def child(args):
             forwards.append(time.perf_counter() - start)
             del outputs
         record["forward"] = min(forwards)
+    if args.backend == "torch" and args.profile:
+        record["profile"] = _profile(lambda: model.train_on_batch(ids, labels))
     print(json.dumps(record))
+
+
+def _profile(step):
+    """One step under torch's profiler: device (else host) self time in ms by op kind, and the ten costliest ops.
+
+    The kinds are `host_overhead.py`'s (matmul, random, copy, view, reduction,
+    elementwise); `step_ms` is the wall time of the profiled step, which on a
+    GPU against the kernels' sum says how much of the step the host bounds.
+    """
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    import host_overhead
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as profiled:
+        start = time.perf_counter()
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    by_kind, ops = {}, []
+    for event in profiled.key_averages():
+        if not event.key.startswith("aten::"):
+            continue
+        micros = event.self_device_time_total if cuda else event.self_cpu_time_total
+        kind = host_overhead.kind_of(event.key[len("aten::"):])
+        by_kind[kind] = by_kind.get(kind, 0.0) + micros / 1e3
+        ops.append((micros / 1e3, event.key, event.count))
+    ops.sort(reverse=True)
+    return {
+        "clock": "device" if cuda else "host",
+        "step_ms": wall * 1e3,
+        "by_kind_ms": by_kind,
+        "top_ops": [{"op": key, "ms": ms, "count": count} for ms, key, count in ops[:10]],
+    }
 
 
 def child_arguments(args, method, batch, steps=None):
     arguments = ["--child", method, "--backend", args.backend]
     for name in ("blocks", "hidden", "heads", "ffn", "seq", "vocab", "dropout", "dtype"):
         arguments += [f"--{name}", getattr(args, name)]
+    if args.profile and steps is None:
+        arguments.append("--profile")
     return arguments + ["--batch", batch, "--steps", args.steps if steps is None else steps]
 
 
@@ -244,6 +286,10 @@ def main(argv=None):
             temp_ratio = f"{base['xla_temp'] / record['xla_temp']:.2f}x" if base and "xla_temp" in base else ""
             line += f"  {record['xla_temp'] / 2**20:>12.0f}  {temp_ratio:>7}"
         print(line, flush=True)
+        if record.get("profile"):
+            profile = record["profile"]
+            kinds = ", ".join(f"{k} {v:.1f}" for k, v in sorted(profile["by_kind_ms"].items(), key=lambda kv: -kv[1]))
+            print(f"{'':<15} profiled step {profile['step_ms']:.1f} ms; {profile['clock']} ms by kind: {kinds}")
         if record.get("forward"):
             floor = (record["step"] + record["forward"]) / record["step"]
             print(f"{'':<15} one training forward {record['forward']:.3f} s: full recompute's floor (one more forward) {floor:.2f}x")

@@ -13,6 +13,13 @@ Printed per method: the first loss, and the normwise difference of all the
 gradients from the first plain run's (the largest difference over the largest
 gradient, as the tests measure), also as a multiple of the plain spread.
 
+On a GPU JAX multiplies float32 in TF32 by default (XLA's default precision):
+two programs that fuse the same step differently round differently, and a
+recompute is such a program. The `none_highest` row (JAX on a GPU) is the
+plain step with full-precision float32 matmuls: its difference from `none` is
+what TF32 itself costs, the yardstick for a policy's difference there.
+`--matmul-precision highest` runs every row that way (as the tests do).
+
 Usage:
     python benchmarks/first_step.py --backend torch                     # float32
     python benchmarks/first_step.py --backend jax --dtype mixed_bfloat16
@@ -29,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _measure  # noqa: E402
 import backends  # noqa: E402
 
-METHODS = ("none", "none_again", "ours", "save_dots", "attention_core", "offload")
+METHODS = ("none", "none_again", "none_highest", "ours", "save_dots", "attention_core", "offload")
 
 
 def parse_args(argv=None):
@@ -44,13 +51,31 @@ def parse_args(argv=None):
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=1000)
     parser.add_argument("--dropout", type=float, default=0.1)
-    parser.add_argument("--methods", nargs="+", choices=METHODS, help="default: all (offload: not on TensorFlow)")
+    parser.add_argument("--methods", nargs="+", choices=METHODS, help="default: all that apply (offload, none_highest: JAX and PyTorch, JAX on a GPU)")
+    parser.add_argument("--matmul-precision", choices=("default", "highest"), default="default", help="JAX's float32 matmuls (default: TF32 on a GPU)")
     parser.add_argument("--out", help="also write the results as JSON to this file")
     parser.add_argument("--child", nargs=2, metavar=("METHOD", "NPZ"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.methods is None:
+    if args.methods is None and not args.child:
         args.methods = [m for m in METHODS if m != "offload" or args.backend != "tensorflow"]
+        args.methods = [m for m in args.methods if m != "none_highest" or _tf32(args)]
     return args
+
+
+def _tf32(args):
+    """Whether JAX on a GPU multiplies these float32 matmuls in TF32 (the `none_highest` row applies)."""
+    return args.backend == "jax" and args.dtype == "float32" and args.matmul_precision == "default" and _gpu(args.backend)
+
+
+def _gpu(backend):
+    return backends._platform(backend) == "gpu"
+
+
+def _child_env(args, method):
+    env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    if args.matmul_precision == "highest" or method == "none_highest":
+        env["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"
+    return env
 
 
 def child(args):
@@ -62,7 +87,7 @@ def child(args):
 
     keras.config.set_dtype_policy(args.dtype)
     keras.utils.set_random_seed(7)
-    model = backends.build_model(args, "none" if method == "none_again" else method)
+    model = backends.build_model(args, "none" if method.startswith("none") else method)
     model.compile(optimizer=keras.optimizers.SGD(1.0), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     rng = np.random.RandomState(0)
     ids = rng.randint(0, args.vocab, size=(args.batch, args.seq)).astype("int32")
@@ -90,7 +115,8 @@ def main(argv=None):
 
     platform = backends._platform(args.backend) if args.backend != "tensorflow" else "cpu"
     print(f"first-step gradients: Keras 3 on {args.backend} ({platform}), {args.dtype}, {args.blocks} blocks x "
-          f"hidden {args.hidden}, seq {args.seq}, batch {args.batch}, dropout {args.dropout}, SGD lr=1", flush=True)
+          f"hidden {args.hidden}, seq {args.seq}, batch {args.batch}, dropout {args.dropout}, SGD lr=1"
+          + (", float32 matmuls at full precision" if args.matmul_precision == "highest" else ""), flush=True)
     script = os.path.abspath(__file__)
     sizes = []
     for name in ("blocks", "hidden", "heads", "ffn", "seq", "batch", "vocab", "dropout", "dtype"):
@@ -101,7 +127,7 @@ def main(argv=None):
             path = os.path.join(folder, f"{method}.npz")
             record = _measure.run(
                 script, ["--child", method, path, "--backend", args.backend, *sizes], args.backend,
-                extra_env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
+                extra_env=_child_env(args, method),
             )
             losses[method] = record.get("loss")
             if "error" in record:

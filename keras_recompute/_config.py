@@ -5,7 +5,6 @@ The switch is read each time a decorated call runs (at trace time inside a
 late, and `recompute_scope` overrides it for the calls made inside it.
 """
 
-import contextlib
 import contextvars
 import os
 
@@ -64,7 +63,6 @@ def is_enabled():
     return parse_bool(os.environ.get(ENV_VAR))
 
 
-@contextlib.contextmanager
 def recompute_scope(enabled):
     """Turns recompute on or off for the decorated calls made inside it.
 
@@ -91,8 +89,20 @@ def recompute_scope(enabled):
             "keras_recompute: recompute_scope(enabled) takes True or False; "
             f"received {enabled!r} of type {type(enabled).__name__}."
         )
-    token = _scope_override.set(enabled)
-    try:
-        yield
-    finally:
-        _scope_override.reset(token)
+    return _Scope(enabled)
+
+
+class _Scope:
+    """`recompute_scope`'s context manager; it can be entered again (PyTorch enters a recompute's
+    context each time the recompute runs: a double backward runs it twice)."""
+
+    def __init__(self, enabled):
+        self._enabled = enabled
+        self._tokens = []
+
+    def __enter__(self):
+        self._tokens.append(_scope_override.set(self._enabled))
+
+    def __exit__(self, *exc_info):
+        _scope_override.reset(self._tokens.pop())
+        return False

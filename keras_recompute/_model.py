@@ -465,9 +465,7 @@ def _remove_bert4keras_recompute():
 
 
 def _refuse_keras2(model, what):
-    from keras_recompute.backends import _keras2
-
-    if _keras2.is_layer(model):
+    if _context._keras2_layer(model):  # imports TensorFlow only where it is loaded already
         raise RecomputeError(
             f"keras_recompute: {what} takes a Keras 3 or tf_keras model, not a standalone Keras 2 one "
             f"({type(model).__name__}). On Keras 2.3 decorate the blocks' call with recompute_grad, "

@@ -45,6 +45,14 @@ def _loss(outputs):
     return total
 
 
+def torch_tensor(array, requires_grad=False):
+    """A torch tensor of `array` where Keras keeps its weights (a GPU when there is one)."""
+    import torch
+    from keras.src.backend.torch.core import get_device
+
+    return torch.tensor(np.asarray(array), device=get_device(), requires_grad=requires_grad)
+
+
 def _numpy(x):
     if x is None:
         return None
@@ -188,9 +196,7 @@ def _jax(layer, inputs, floats, mode, call):
 def _torch(layer, inputs, floats, mode, call):
     import torch
 
-    from keras.src.backend.torch.core import get_device
-
-    xs = [torch.tensor(np.asarray(x), device=get_device()) for x in inputs]  # where Keras keeps the weights
+    xs = [torch_tensor(x) for x in inputs]  # where Keras keeps the weights
     for i in floats:
         xs[i].requires_grad_(True)
     for variable in layer.trainable_variables:

@@ -24,6 +24,15 @@ if os.environ["KERAS_BACKEND"] == "jax" and _jax_gpu_installed():
     os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+if os.environ.get("KERAS_RECOMPUTE_TESTS_WITHOUT_TENSORFLOW") == "1":
+    # As on a machine without TensorFlow (the GPU machine has none): `import tensorflow` and
+    # `import tf_keras` fail here and in every child a test starts (tests/_hidden on PYTHONPATH).
+    if os.environ["KERAS_BACKEND"] == "tensorflow":
+        raise RuntimeError("KERAS_RECOMPUTE_TESTS_WITHOUT_TENSORFLOW=1 needs KERAS_BACKEND=jax or torch")
+    _hidden = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_hidden")
+    sys.path.insert(0, _hidden)
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (_hidden, os.environ.get("PYTHONPATH"))))
+
 import pytest  # noqa: E402
 
 # These test TensorFlow, tf_keras or backend-free code: the TensorFlow run covers them.
@@ -45,6 +54,55 @@ if sys.version_info >= (3, 8):
     # Standalone Keras 2.3 and TensorFlow before 2.4 run on Python 3.7, in the
     # environments `tests/legacy/run.py` builds.
     collect_ignore.append("legacy")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _backward_in_another_thread():
+    """KERAS_RECOMPUTE_TESTS_BACKWARD_THREAD=1 (PyTorch): every backward runs in a thread of its own, as
+    autograd runs a GPU's (NOTE [ the recompute's thread ] in `backends/torch.py`), on any machine.
+
+    As autograd's device thread, it has the caller's torch state (its dispatch modes, which the op
+    counting tests use) and not the caller's Python state (context variables, thread locals)."""
+    if os.environ.get("KERAS_RECOMPUTE_TESTS_BACKWARD_THREAD") != "1" or os.environ["KERAS_BACKEND"] != "torch":
+        yield
+        return
+    import threading
+
+    import torch
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
+
+    originals = {"backward": torch.autograd.backward, "grad": torch.autograd.grad}
+
+    def threaded(name):
+        def run_elsewhere(*args, **kwargs):
+            result, raised = [], []
+            modes = _get_current_dispatch_mode_stack()
+
+            def run():
+                for mode in modes:
+                    _push_mode(mode)
+                try:
+                    result.append(originals[name](*args, **kwargs))
+                except BaseException as error:  # noqa: B036 - raised again in the caller's thread
+                    raised.append(error)
+                finally:
+                    for _ in modes:
+                        _pop_mode()
+
+            thread = threading.Thread(target=run)
+            thread.start()
+            thread.join()
+            if raised:
+                raise raised[0]
+            return result[0]
+
+        return run_elsewhere
+
+    torch.autograd.backward, torch.autograd.grad = threaded("backward"), threaded("grad")
+    try:
+        yield
+    finally:
+        torch.autograd.backward, torch.autograd.grad = originals["backward"], originals["grad"]
 
 
 @pytest.fixture(autouse=True)

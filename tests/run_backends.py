@@ -1,13 +1,19 @@
 """Runs the test suite once per Keras backend, every backend even when one fails.
 
 ```
-python tests/run_backends.py                       # tensorflow, jax, torch; two at a time
+python tests/run_backends.py                       # tensorflow, jax, torch, torch-gpu-like; two at a time
 python tests/run_backends.py --jobs 1              # one after another, the output as it comes
 python tests/run_backends.py --backends jax -- -k memory
 ```
 
 Each backend's run is a fresh `python -m pytest tests` with `KERAS_BACKEND`
-set (Keras reads it once, at import). With `--jobs` above 1 the runs overlap:
+set (Keras reads it once, at import). Two runs stand in for the GPU machine,
+which has no TensorFlow and runs each backward in autograd's device thread:
+`jax` runs with TensorFlow hidden (`tests/conftest.py`,
+KERAS_RECOMPUTE_TESTS_WITHOUT_TENSORFLOW: the tests that need it skip, and run
+in the `tensorflow` run), and `torch-gpu-like` runs PyTorch's suite with
+TensorFlow hidden and every backward in a thread of its own
+(KERAS_RECOMPUTE_TESTS_BACKWARD_THREAD), beside `torch`, the plain CPU run. With `--jobs` above 1 the runs overlap:
 most tests are small, spend their time in one Python thread tracing and
 dispatching, and leave the second core idle, so two runs take little longer
 than the longer of them. Nothing in the suite is timed, and each memory figure
@@ -25,7 +31,14 @@ import sys
 import tempfile
 import time
 
-BACKENDS = ("tensorflow", "jax", "torch")
+# Each run: its Keras backend and what else its environment sets.
+RUNS = {
+    "tensorflow": ("tensorflow", {}),
+    "jax": ("jax", {"KERAS_RECOMPUTE_TESTS_WITHOUT_TENSORFLOW": "1"}),
+    "torch": ("torch", {}),
+    "torch-gpu-like": ("torch", {"KERAS_RECOMPUTE_TESTS_WITHOUT_TENSORFLOW": "1", "KERAS_RECOMPUTE_TESTS_BACKWARD_THREAD": "1"}),
+}
+BACKENDS = tuple(RUNS)
 
 
 def main(argv=None):
@@ -44,11 +57,13 @@ def main(argv=None):
         while waiting or running:
             while waiting and len(running) < args.jobs:
                 backend = waiting.pop(0)
-                print(f"\n===== KERAS_BACKEND={backend}: started =====", flush=True)
+                keras_backend, settings = RUNS[backend]
+                shown = " ".join(f"{name}={value}" for name, value in settings.items())
+                print(f"\n===== {backend} (KERAS_BACKEND={keras_backend} {shown}): started =====", flush=True)
                 log = None if streamed else tempfile.TemporaryFile(mode="w+")
                 process = subprocess.Popen(
                     [sys.executable, "-m", "pytest", tests, "-q", *args.pytest_args],
-                    env=dict(os.environ, KERAS_BACKEND=backend),
+                    env=dict(os.environ, KERAS_BACKEND=keras_backend, **settings),
                     stdout=log,
                     stderr=subprocess.STDOUT if log else None,
                 )
@@ -67,14 +82,14 @@ def main(argv=None):
     for backend in args.backends:
         code, seconds = results[backend]
         verdict = "passed" if code == 0 else f"FAILED (pytest exit {code})"
-        print(f"{backend:<11} {verdict:<24} {seconds / 60:5.1f} min")
+        print(f"{backend:<15} {verdict:<24} {seconds / 60:5.1f} min")
     return 0 if all(code == 0 for code, _ in results.values()) else 1
 
 
 def _show(backend, log):
     """Prints the output of an overlapped run (a streamed one has printed it already)."""
     if log is not None:
-        print(f"\n===== KERAS_BACKEND={backend}: output =====", flush=True)
+        print(f"\n===== {backend}: output =====", flush=True)
         log.seek(0)
         sys.stdout.write(log.read())
         log.close()

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from _compare import assert_close
-from _keras3_twins import BACKEND
+from _keras3_twins import BACKEND, torch_tensor
 
 from keras_recompute import RecomputeError, recompute_grad, recompute_model
 
@@ -82,13 +82,11 @@ def test_graph_pieces_raise_on_a_write_the_plain_model_raises_on(offload):
 @pytest.mark.parametrize("offload", (False, True), ids=("stored", "offload"))
 def test_a_write_to_a_block_input_after_its_forward_raises(offload):
     """The checkpoint saves the block's input; the caller writes it after the call, before the backward."""
-    import torch
-
     keras.utils.set_random_seed(0)
     plain, recomputed = Block(), Block()
     recomputed.call = recompute_grad(recomputed.call, enabled=True, offload=offload)
     for block in (plain, recomputed):
-        inputs = torch.randn(4, 16, requires_grad=True)
+        inputs = torch_tensor(np.random.RandomState(0).randn(4, 16).astype("float32"), requires_grad=True)
         hidden = inputs * 3.0  # not a leaf: written in place below
         output = block(hidden)
         hidden.add_(1)
@@ -106,7 +104,7 @@ def test_a_write_inside_the_call_after_an_op_saved_it_raises():
             hidden.mul_(3.0)
             return output + hidden
 
-    inputs = torch.randn(4, 16, requires_grad=True)
+    inputs = torch_tensor(np.random.RandomState(0).randn(4, 16).astype("float32"), requires_grad=True)
     with pytest.raises(RuntimeError, match=INPLACE_MESSAGE):
         WritesSaved()(inputs).sum().backward()
     layer = WritesSaved()

@@ -184,6 +184,36 @@ def test_nested_recompute(mode):
     compare_with_twin(Outer, [normal(8, 16)], mode, steps=2)
 
 
+@pytest.mark.skipif(BACKEND != "torch", reason="PyTorch runs a GPU's backward in a thread of its own")
+@pytest.mark.parametrize("mode", MODES)
+def test_nested_recompute_with_the_backward_in_another_thread(mode, monkeypatch):
+    """On a GPU autograd runs the backward, and so the recompute, in its device thread, where the
+    forward's `recompute_scope` is not set: the inner call must still recompute as its forward did."""
+    import threading
+
+    import torch
+
+    backward = torch.Tensor.backward
+
+    def in_another_thread(self, *args, **kwargs):
+        raised = []
+
+        def run():
+            try:
+                backward(self, *args, **kwargs)
+            except BaseException as error:  # noqa: B036 - raised again in the test's thread
+                raised.append(error)
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join()
+        if raised:
+            raise raised[0]
+
+    monkeypatch.setattr(torch.Tensor, "backward", in_another_thread)
+    compare_with_twin(Outer, [normal(8, 16)], mode, steps=2)
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
 def test_mixed_precision(mode, policy):

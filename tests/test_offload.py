@@ -110,12 +110,14 @@ def test_torch_keeps_the_saved_inputs_as_host_copies(policy, monkeypatch):
     layer = built(policy)
     with recompute_scope(True):
         loss_and_gradients(layer, [X], "eager", train_call)
+    # Torch before 2.12 also saves its checkpoint's own empty placeholder among the inputs.
+    packed = [(tensor, host) for tensor, host in packed if tensor.numel()]
     shapes = [tuple(tensor.shape) for tensor, _ in packed]
     assert shapes == ([(2, 6, 16)] if policy != "attention_core" else [(2, 6, 2, 8)] * 3)
     for tensor, host in packed:
         assert host.device.type == "cpu" and host.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr()
         assert host.is_pinned() == (tensor.device.type == "cuda")
-    assert len(unpacked) == len(packed)  # each came back once, for the recompute
+    assert len([tensor for tensor in unpacked if tensor.numel()]) == len(packed)  # each came back once, for the recompute
 
 
 @pytest.mark.skipif(OFFLOADS, reason="TensorFlow's refusal")

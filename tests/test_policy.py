@@ -417,10 +417,14 @@ def _compiled_counts(policy, offload=False):
 
         from _keras3_twins import _jax_step
 
-        layer = block(policy, offload)
-        with recompute_scope(True):
-            grad_fn, arguments = _jax_step(layer, [X], [0], train_call)
-            hlo = jax.jit(grad_fn).lower(*arguments).compile().as_text()
+        # XLA's CPU pipeline on every machine: a GPU's calls cuBLAS for most dots and copies
+        # elementwise ops into each fusion that reads them, so its counts are of other things.
+        cpu = jax.devices("cpu")[0]
+        with jax.default_device(cpu):
+            layer = block(policy, offload)
+            with recompute_scope(True):
+                grad_fn, arguments = _jax_step(layer, [X], [0], train_call)
+                hlo = jax.jit(grad_fn).lower(*jax.device_put(arguments, cpu)).compile().as_text()
     return len(re.findall(r" dot\(", hlo)), len(re.findall(r" exponential\(", hlo))
 
 

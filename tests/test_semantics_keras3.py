@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from keras import layers, ops
 
-from _keras3_twins import BACKEND, FAST_MODE, assert_close, loss_and_gradients, recomputed_class
+from _keras3_twins import BACKEND, FAST_MODE, _numpy, assert_close, loss_and_gradients, recomputed_class, torch_tensor
 from test_keras3 import Block
 
 from keras_recompute import RecomputeError, recompute_grad, recompute_scope
@@ -88,11 +88,11 @@ def _penalty_gradients(layer):
         return [np.asarray(value)] + [np.asarray(g) for g in gradients]
     import torch
 
-    x = torch.tensor(X, requires_grad=True)
+    x = torch_tensor(X, requires_grad=True)
     (input_gradient,) = torch.autograd.grad(torch.sin(layer(x)).sum(), x, create_graph=True)
     penalty = (input_gradient**2).sum()
     gradients = torch.autograd.grad(penalty, [v.value for v in layer.trainable_variables])
-    return [penalty.detach().numpy()] + [g.detach().numpy() for g in gradients]
+    return [_numpy(penalty)] + [_numpy(g) for g in gradients]
 
 
 def test_gradient_penalty_through_a_recomputed_block():
@@ -143,10 +143,10 @@ def _with_losses_gradients(layer):
         return counts[-1], [np.asarray(g) for g in gradients]
     import torch
 
-    outputs = layer(torch.tensor(X))
+    outputs = layer(torch_tensor(X))
     losses = layer.losses
     (torch.sin(outputs).sum() + sum(losses)).backward()
-    gradients = [v.value.grad.numpy().copy() for v in layer.trainable_variables]
+    gradients = [_numpy(v.value.grad).copy() for v in layer.trainable_variables]
     for v in layer.trainable_variables:
         v.value.grad = None
     return len(losses), gradients

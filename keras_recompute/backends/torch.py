@@ -40,7 +40,7 @@ import torch
 from torch.utils import checkpoint as torch_checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from keras_recompute import _policy
+from keras_recompute import _config, _policy
 from keras_recompute._errors import RecomputeError
 from keras_recompute.backends import _keras3
 
@@ -71,6 +71,12 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full", offload
         # Nothing is saved for a backward that will not run.
         return fn(*args, **kwargs)
     state = _keras3.capture(owner, _snapshot)
+    # NOTE [ the recompute's thread ]: on a GPU autograd runs the backward, and so the recompute,
+    # in a thread of its own, outside the caller's `recompute_scope` (a context variable); Keras's
+    # thread-local state comes back with `state`, and the scope with this. A recomputed call inside
+    # this one then recomputes in the recompute as it did in the forward (were it plain there, its
+    # ops would save into this call's recompute, which torch refuses).
+    enabled = _config.is_enabled()
     values = _RecomputedValues(context.name) if check else None
     tape = _DropoutTape() if _policy.keeps_dropout_masks(policy) and _dropout_replayable() else None
 
@@ -94,9 +100,10 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full", offload
             cache = []
             forward = _Contexts(forward, _InMatmuls(_KeepingDots(cache)))
             recompute = _Contexts(recompute, _InMatmuls(_KeptDots(cache)))
+        replay = _Contexts(_config.recompute_scope(enabled), _keras3.replay(state, owner))
         if tape is None:
-            return forward, _Contexts(_keras3.replay(state, owner), recompute)
-        return _Contexts(tape.recording(), forward), _Contexts(_keras3.replay(state, owner), recompute, tape.replaying())
+            return forward, _Contexts(replay, recompute)
+        return _Contexts(tape.recording(), forward), _Contexts(replay, recompute, tape.replaying())
 
     offloading = _offloaded(context.name) if offload else contextlib.nullcontext()
     # The checkpoint saves the call's inputs under the hooks active when it is
