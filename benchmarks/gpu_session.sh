@@ -8,11 +8,11 @@
 # written again after each step, so a call cut short still returns what it finished.
 # Phase A (the suite on JAX and PyTorch, in parallel pytest workers, and the first-step exactness of every
 # policy and offload in float32 and mixed_bfloat16) shares the GPU and the CPUs: nothing there is timed.
-# Phase B (speed at BERT-base, seq 512, batch 32) runs one benchmark at a time, each in its own time box,
-# until the session's deadline: a box that runs out loses only its own figures. Its list is in the order
-# the figures are still missing (GPU_SESSION_SPEED overrides it: "backend:dtype:box:method,method[:profile] ...";
-# `profile` adds `--profile`: PyTorch's step time by op kind, where a speed target was missed; backend `hf` is
-# Hugging Face transformers' BERT-base with and without gradient checkpointing, `benchmarks/hf_bert.py`).
+# Phase B (speed and offload) runs one benchmark at a time, each in its own time box, until the session's
+# deadline: a box that runs out loses only its own figures. Its list is in the order the figures are still
+# missing (GPU_SESSION_SPEED overrides it, items as below; flag `profile` adds `--profile`: PyTorch's step
+# time by op kind, where a speed target was missed; backend `hf` is Hugging Face transformers' BERT-base with
+# and without gradient checkpointing, `benchmarks/hf_bert.py`).
 set -u
 out=${OUT:-gpu_out}
 work=$(mktemp -d)
@@ -46,24 +46,27 @@ for backend in jax torch; do grep -E "^(FAILED|ERROR)|passed|failed" "$work/suit
 cat "$work"/first_step_*.log
 keep
 
-# Phase B: one at a time (timed).
+# Phase B: one at a time (timed). Each item is shape:backend:dtype:box:methods[:flag]; shapes:
+#   bert  BERT-base, seq 512, batch 32 (`backends.py --bert-base`; backend hf: `hf_bert.py`, the peer)
+#   long  48 blocks x 768, seq 2048, batch 2: offload's shape (issue 39, step 3)
 unset XLA_PYTHON_CLIENT_PREALLOCATE
-speed_list=${GPU_SESSION_SPEED:-"jax:float32:240:none,ours,save_dots,attention_core jax:mixed_bfloat16:200:none,ours,save_dots,attention_core torch:mixed_bfloat16:150:none,ours,save_dots,attention_core:profile hf:float32:90:none,checkpoint hf:mixed_bfloat16:90:none,checkpoint jax:float32:150:remat,rematscope torch:float32:120:none,remat"}
+speed_list=${GPU_SESSION_SPEED:-"bert:jax:float32:240:none,ours,save_dots,attention_core bert:jax:mixed_bfloat16:200:none,ours,save_dots,attention_core bert:torch:mixed_bfloat16:150:none,ours,save_dots,attention_core:profile bert:hf:float32:90:none,checkpoint bert:hf:mixed_bfloat16:90:none,checkpoint long:torch:mixed_bfloat16:150:ours,offload long:jax:mixed_bfloat16:200:ours,offload bert:jax:float32:150:remat,rematscope bert:torch:float32:120:none,remat"}
 for item in $speed_list; do
-  IFS=: read -r backend dtype box methods extra <<<"$item"
-  name="backends_bert_base_${backend}_${dtype}_${methods//,/_}"
-  script="benchmarks/backends.py --backend $backend --bert-base"
-  if [ "$backend" = hf ]; then  # the peer: Hugging Face transformers' BERT-base, plain PyTorch
-    name="hf_bert_base_${dtype}"
-    script="benchmarks/hf_bert.py"
-  fi
+  IFS=: read -r shape backend dtype box methods flag <<<"$item"
+  name="${shape}_${backend}_${dtype}_${methods//,/_}"
+  case "$shape:$backend" in
+    bert:hf) command="benchmarks/hf_bert.py --seq 512 --batch 32" ;;
+    bert:*) command="benchmarks/backends.py --backend $backend --bert-base --seq 512 --batch 32" ;;
+    long:*) command="benchmarks/backends.py --backend $backend --blocks 48 --hidden 768 --heads 12 --ffn 3072 --seq 2048 --batch 2" ;;
+    *) echo "unknown shape in $item"; continue ;;
+  esac
   left=$((deadline - SECONDS))
   if [ "$left" -lt 60 ]; then echo "skipped $name: ${left}s left"; continue; fi
   [ "$box" -gt "$left" ] && box=$left
   echo "== $name (box ${box}s)"
   # shellcheck disable=SC2086
-  timeout -k 5 "$box" python3 $script --seq 512 --batch 32 \
-    --dtype "$dtype" --methods ${methods//,/ } ${extra:+--$extra} --out "$work/$name.json" 2>&1 | tee "$work/$name.log"
+  timeout -k 5 "$box" python3 $command --dtype "$dtype" --methods ${methods//,/ } ${flag:+--$flag} \
+    --out "$work/$name.json" 2>&1 | tee "$work/$name.log"
   keep
 done
 echo "done at ${SECONDS}s"
