@@ -168,6 +168,7 @@ class FittedModel:
                 raise ValueError("keras_recompute: the model's units or their options differ between the sizes measured")
         fit = lambda values: polynomial(self.sizes, values, degree)  # noqa: E731
         self._fixed = {name: fit([getattr(m, name) for m in models]) for name in ("resident", "outside", "outside_gradient_bytes", "update")}
+        self._applied_as_made = first.applied_as_made
         self._units = []
         for index in range(len(self.names)):
             unit_models = [m.units[index] for m in models]
@@ -190,7 +191,9 @@ class FittedModel:
             }
             units.append(_budget.UnitCosts(name, built, value(gradients), value(inputs)))
         fixed = {name: value(coefficients) for name, coefficients in self._fixed.items()}
-        return _budget.Model(units, fixed["resident"], fixed["outside"], fixed["outside_gradient_bytes"], fixed["update"])
+        return _budget.Model(
+            units, fixed["resident"], fixed["outside"], fixed["outside_gradient_bytes"], fixed["update"], self._applied_as_made
+        )
 
     def residual(self, peak):
         """The largest relative error of `peak(model)` between the fit and the measurement, at the sizes measured."""

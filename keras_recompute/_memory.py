@@ -293,7 +293,9 @@ def _measure(model, units, inputs, backend, execution):
         resident = _variable_bytes(model.variables) + _optimizer_bytes(model) + _tensor_bytes(inputs)
         unit_gradients = sum(u.gradient_bytes for u in unit_costs)
         outside_gradients = max(0, _variable_bytes(model.trainable_variables) - unit_gradients)
-        return _budget.Model(unit_costs, resident, outside, outside_gradients, _update_bytes(model))
+        # A TensorFlow graph applies each gradient as it is made (NOTE [ the peak of a plan ]).
+        applied_as_made = execution == COMPILED and backend.__name__.endswith(".tensorflow")
+        return _budget.Model(unit_costs, resident, outside, outside_gradients, _update_bytes(model), applied_as_made)
     finally:
         for variable, value in zip(state, saved):
             variable.assign(value)

@@ -142,3 +142,18 @@ def test_of_plans_alike_in_time_the_earlier_units_recompute():
     model = Model([UnitCosts(f"unit_{i}", option, 0) for i in range(6)], resident=0, outside=0, outside_gradient_bytes=0)
     budget = model.peak(["full"] * 3 + ["none"] * 3)
     assert solve(model, budget) == ["full"] * 3 + ["none"] * 3
+
+
+def test_applied_as_made_counts_a_units_gradients_and_the_next():
+    """NOTE [ the peak of a plan ]: a graph applies each gradient as it is made; Keras's eager step after the backward."""
+    units = [UnitCosts(f"unit_{i}", {_budget.NONE: Option(_budget.NONE, 10, 5, 0.0)}, gradient_bytes=100) for i in range(4)]
+    after = Model(units, resident=1000, outside=0, outside_gradient_bytes=7)
+    made = Model(units, resident=1000, outside=0, outside_gradient_bytes=7, applied_as_made=True)
+    choice = [_budget.NONE] * 4
+    # After the backward: unit 0's backward holds its 10 kept, 5 and all 400 of the gradients.
+    assert after.peak(choice) == 1000 + 10 + 5 + 400
+    # As made: unit 2's holds 30 kept, 5, and its and unit 3's gradients (the most of any point;
+    # unit 3's holds 40 + 5 + 100, the end unit 0's 100 and the 7 outside).
+    assert made.peak(choice) == 1000 + 30 + 5 + 200
+    assert made.like(units).applied_as_made and _budget.offloaded(made, ()).applied_as_made
+    assert solve(made, 1000 + 235) == choice and solve(after, 1000 + 235) is None

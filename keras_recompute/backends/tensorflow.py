@@ -1051,7 +1051,8 @@ def _kept_bytes(operations, forward_count):
                 continue
             while tensor.op.type in _VIEWS and tensor.op.inputs:
                 tensor = tensor.op.inputs[0]
-            if tensor.op.type in ("Placeholder", "Const", "VarHandleOp") or tensor.dtype == tf.resource:
+            # A variable's read is the variable's own buffer (resident), not a copy the forward keeps.
+            if tensor.op.type in ("Placeholder", "Const", "VarHandleOp", "ReadVariableOp") or tensor.dtype == tf.resource:
                 continue
             if tensor.ref() in counted or tensor.shape.num_elements() is None:
                 continue
