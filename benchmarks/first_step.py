@@ -56,19 +56,13 @@ def parse_args(argv=None):
     parser.add_argument("--out", help="also write the results as JSON to this file")
     parser.add_argument("--child", nargs=2, metavar=("METHOD", "NPZ"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.methods is None and not args.child:
-        args.methods = [m for m in METHODS if m != "offload" or args.backend != "tensorflow"]
-        args.methods = [m for m in args.methods if m != "none_highest" or _tf32(args)]
     return args
 
 
-def _tf32(args):
-    """Whether JAX on a GPU multiplies these float32 matmuls in TF32 (the `none_highest` row applies)."""
-    return args.backend == "jax" and args.dtype == "float32" and args.matmul_precision == "default" and _gpu(args.backend)
-
-
-def _gpu(backend):
-    return backends._platform(backend) == "gpu"
+def _default_methods(args, platform):
+    """All that apply: offload not on TensorFlow; `none_highest` where JAX multiplies float32 in TF32 (a GPU)."""
+    tf32 = args.backend == "jax" and platform == "gpu" and args.dtype == "float32" and args.matmul_precision == "default"
+    return [m for m in METHODS if (m != "offload" or args.backend != "tensorflow") and (m != "none_highest" or tf32)]
 
 
 def _child_env(args, method):
@@ -114,6 +108,8 @@ def main(argv=None):
     import numpy as np
 
     platform = backends._platform(args.backend) if args.backend != "tensorflow" else "cpu"
+    if args.methods is None:
+        args.methods = _default_methods(args, platform)
     print(f"first-step gradients: Keras 3 on {args.backend} ({platform}), {args.dtype}, {args.blocks} blocks x "
           f"hidden {args.hidden}, seq {args.seq}, batch {args.batch}, dropout {args.dropout}, SGD lr=1"
           + (", float32 matmuls at full precision" if args.matmul_precision == "highest" else ""), flush=True)

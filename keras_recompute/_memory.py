@@ -294,7 +294,7 @@ def _measure(model, units, inputs, backend, execution):
         unit_gradients = sum(u.gradient_bytes for u in unit_costs)
         outside_gradients = max(0, _variable_bytes(model.trainable_variables) - unit_gradients)
         # A TensorFlow graph applies each gradient as it is made (NOTE [ the peak of a plan ]).
-        applied_as_made = execution == COMPILED and backend.__name__.endswith(".tensorflow")
+        applied_as_made = execution == COMPILED and _module_name(backend) == "tensorflow"
         return _budget.Model(unit_costs, resident, outside, outside_gradients, _update_bytes(model), applied_as_made)
     finally:
         for variable, value in zip(state, saved):
@@ -337,12 +337,17 @@ def _recompute_largest(backend, unit):
     dropout makes several temporaries of the masked tensor's size; unseeded,
     it is `F.dropout`, which makes one).
     """
-    name = backend.__name__.rsplit(".", 1)[-1]
+    name = _module_name(backend)
     if name == "tensorflow" and _dropouts(unit):
         return 2.0
     if name == "torch" and any(getattr(layer, "seed", None) is not None for layer in _dropouts(unit)):
         return 3.0
     return 1.0
+
+
+def _module_name(backend):
+    """A backend module's short name: `"tensorflow"`, `"jax"` or `"torch"`."""
+    return backend.__name__.rsplit(".", 1)[-1]
 
 
 def _dropouts(unit):
