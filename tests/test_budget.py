@@ -280,6 +280,27 @@ def test_measuring_changes_nothing_in_the_model():
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.skipif(BACKEND != "torch", reason="PyTorch's autograd graph")
+def test_measuring_leaves_no_activation_alive():
+    """NOTE [ a measured forward keeps nothing alive ]: the first GPU plan of BERT-base at batch 153 peaked at
+    22 GB against 14.7 predicted: each unit's measured forward, which runs no backward, left its activations
+    allocated for good (a cycle through autograd's C++ graph), and the training step ran beside them."""
+    import gc
+
+    import torch
+
+    def graphed():
+        gc.collect()
+        return [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.grad_fn is not None]
+
+    model = blocks_model()
+    assert graphed() == []
+    memory_report(model, X)
+    recompute_model(model, budget=0.75, inputs=X, enabled=True)
+    left = graphed()
+    assert left == [], [(tuple(t.shape), type(t.grad_fn).__name__) for t in left]
+
+
 def test_the_report():
     model = blocks_model()
     report = memory_report(model, X)
