@@ -21,36 +21,61 @@ deadline=$((SECONDS + ${GPU_SESSION_SECONDS:-560}))
 phase_a=${GPU_PHASE_A_SECONDS:-240}
 keep() { tar czf "$out/session.tgz" -C "$work" . ; }
 
-{ nvidia-smi; nproc; python3 -c "import jax, torch, keras, sys; print(sys.version); print('jax', jax.__version__, jax.devices()); print('torch', torch.__version__, torch.version.cuda); print('keras', keras.__version__)"; } >"$work/machine.txt" 2>&1
+{ nvidia-smi; nproc; KERAS_BACKEND=jax python3 -c "import jax, torch, keras, sys; print(sys.version); print('jax', jax.__version__, jax.devices()); print('torch', torch.__version__, torch.version.cuda); print('keras', keras.__version__)"; } >"$work/machine.txt" 2>&1
 keep
 
-# Phase A. JAX takes what it needs, not 75%: several processes share the GPU.
+# Phase A. JAX takes what it needs, not 75%: several processes share the GPU. Each failure's traceback is
+# written as it happens (a suite stopped at the deadline prints no summary). GPU_SESSION_FIRST: test ids run
+# before anything else, one backend each ("jax:tests/x.py::test_y torch:..."), e.g. what failed last time.
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
-for lane in "jax 9" "torch 5"; do
-  set -- $lane
-  KERAS_BACKEND=$1 timeout -k 10 "$phase_a" python3 -m pytest tests -v -n "$2" --dist load -p no:cacheprovider \
-    --durations=25 >"$work/suite_$1.log" 2>&1 &
+# One compile of each program per call: the benchmarks' children and the suite's workers compile the same XLA
+# programs again (the first H200 call's JAX BERT-base child printed no row in 192 s).
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jax_cache} JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
+for item in ${GPU_SESSION_FIRST-}; do
+  IFS=: read -r backend test <<<"$item"
+  KERAS_BACKEND=$backend KERAS_RECOMPUTE_TESTS_FAILURES="$work/failures_first.log" timeout -k 10 120 \
+    python3 -m pytest "$test" -v -p no:cacheprovider >>"$work/suite_first.log" 2>&1
+done
+[ -n "${GPU_SESSION_FIRST-}" ] && keep
+lanes=${GPU_SESSION_LANES-"jax:9 torch:5"}  # backend:workers; "" skips the suite
+for lane in $lanes; do
+  IFS=: read -r backend workers <<<"$lane"
+  KERAS_BACKEND=$backend KERAS_RECOMPUTE_TESTS_FAILURES="$work/failures_$backend.log" timeout -k 10 "$phase_a" \
+    python3 -m pytest tests -v -n "$workers" --dist load -p no:cacheprovider --durations=25 >"$work/suite_$backend.log" 2>&1 &
 done
 first_step() {
   local name=$1
   shift
   timeout -k 10 "$phase_a" python3 benchmarks/first_step.py "$@" --out "$work/$name.json" >"$work/$name.log" 2>&1
 }
-first_step first_step_jax_float32 --backend jax --dtype float32 &
-first_step first_step_jax_float32_highest --backend jax --dtype float32 --matmul-precision highest &
-first_step first_step_jax_mixed_bfloat16 --backend jax --dtype mixed_bfloat16 &
-first_step first_step_torch_float32 --backend torch --dtype float32 &
-first_step first_step_torch_mixed_bfloat16 --backend torch --dtype mixed_bfloat16 &
+exact_list=${GPU_SESSION_EXACT-"jax:float32 jax:float32:highest jax:mixed_bfloat16 torch:float32 torch:mixed_bfloat16"}
+for item in $exact_list; do  # backend:dtype[:highest], the first-step exactness runs; "" skips them
+  IFS=: read -r backend dtype precision <<<"$item"
+  first_step "first_step_${backend}_${dtype}${precision:+_$precision}" --backend "$backend" --dtype "$dtype" \
+    ${precision:+--matmul-precision "$precision"} &
+done
+# Issue 39 step 4 (memory only, so it may share the GPU): keras-hub BERT-base at seq 512, the largest batch
+# predicted for a 16 GiB budget per option, then a step there and one above (the device allocator's peak).
+# Items are backend:options (comma-separated); GPU_SESSION_FIT overrides, "" skips.
+fit_list=${GPU_SESSION_FIT-"torch:none,full,save_dots,attention_core,plan jax:none,full,plan"}
+for item in $fit_list; do
+  IFS=: read -r backend options <<<"$item"
+  timeout -k 10 "$phase_a" python3 benchmarks/largest_fit.py keras-hub-bert --backend "$backend" --seq 512 \
+    --budget-mb 16384 --options ${options//,/ } --verify --out "$work/largest_fit_bert_base_16gib_$backend.json" \
+    >"$work/largest_fit_bert_base_16gib_$backend.log" 2>&1 &
+done
 wait
-for backend in jax torch; do grep -E "^(FAILED|ERROR)|passed|failed" "$work/suite_$backend.log" | tail -n 30; done
-cat "$work"/first_step_*.log
+for log in "$work"/suite_*.log; do echo "== $log"; grep -E "^(FAILED|ERROR)|passed|failed|\[ *[0-9]+%\]" "$log" | tail -n 30; done
+cat "$work"/first_step_*.log "$work"/largest_fit_*.log 2>/dev/null
 keep
 
 # Phase B: one at a time (timed). Each item is shape:backend:dtype:box:methods[:flag]; shapes:
 #   bert  BERT-base, seq 512, batch 32 (`backends.py --bert-base`; backend hf: `hf_bert.py`, the peer)
-#   long  48 blocks x 768, seq 2048, batch 2: offload's shape (issue 39, step 3)
+#   long  48 blocks x 768, seq 2048, batch 2: offload's shape (issue 39, step 3); there weights and Adam's
+#         slots (5.8 GB) outweigh the 300 MB of inputs offload moves, and it saved nothing (2026-11-26)
+#   deep  96 blocks x 256, seq 256, batch 64: a shape where the kept inputs (0.8 GB) are a large part of the peak
 unset XLA_PYTHON_CLIENT_PREALLOCATE
-speed_list=${GPU_SESSION_SPEED:-"bert:jax:float32:240:none,ours,save_dots,attention_core bert:jax:mixed_bfloat16:200:none,ours,save_dots,attention_core bert:torch:mixed_bfloat16:150:none,ours,save_dots,attention_core:profile bert:hf:float32:90:none,checkpoint bert:hf:mixed_bfloat16:90:none,checkpoint long:torch:mixed_bfloat16:150:ours,offload long:jax:mixed_bfloat16:200:ours,offload bert:jax:float32:150:remat,rematscope bert:torch:float32:120:none,remat"}
+speed_list=${GPU_SESSION_SPEED-"bert:jax:mixed_bfloat16:200:none,ours,save_dots,attention_core deep:torch:mixed_bfloat16:90:none,ours,offload long:jax:mixed_bfloat16:150:ours,offload bert:hf:float32:70:none,checkpoint bert:jax:float32:200:none,ours,save_dots,attention_core bert:jax:float32:150:remat,rematscope bert:torch:float32:90:none,remat"}
 for item in $speed_list; do
   IFS=: read -r shape backend dtype box methods flag <<<"$item"
   name="${shape}_${backend}_${dtype}_${methods//,/_}"
@@ -58,6 +83,7 @@ for item in $speed_list; do
     bert:hf) command="benchmarks/hf_bert.py --seq 512 --batch 32" ;;
     bert:*) command="benchmarks/backends.py --backend $backend --bert-base --seq 512 --batch 32" ;;
     long:*) command="benchmarks/backends.py --backend $backend --blocks 48 --hidden 768 --heads 12 --ffn 3072 --seq 2048 --batch 2" ;;
+    deep:*) command="benchmarks/backends.py --backend $backend --blocks 96 --hidden 256 --heads 4 --ffn 1024 --seq 256 --batch 64" ;;
     *) echo "unknown shape in $item"; continue ;;
   esac
   left=$((deadline - SECONDS))

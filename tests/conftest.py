@@ -105,6 +105,18 @@ def _backward_in_another_thread():
         torch.autograd.backward, torch.autograd.grad = originals["backward"], originals["grad"]
 
 
+def pytest_runtest_logreport(report):
+    """With KERAS_RECOMPUTE_TESTS_FAILURES=path, each failure's traceback is appended there as it happens.
+
+    The GPU machine's calls are time-boxed: a suite stopped at its deadline prints no summary, and the first GPU
+    run of the fixed suite lost every traceback that way (`benchmarks/gpu_session.sh` sets it).
+    """
+    path = os.environ.get("KERAS_RECOMPUTE_TESTS_FAILURES")
+    if path and report.failed and not os.environ.get("PYTEST_XDIST_WORKER"):  # xdist: its controller writes
+        with open(path, "a") as log:
+            log.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
+
+
 @pytest.fixture(autouse=True)
 def _no_recompute_env(monkeypatch):
     """Each test starts with RECOMPUTE unset; it sets it or a scope itself."""

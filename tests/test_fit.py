@@ -4,7 +4,8 @@ The prediction comes from three small batches (four sequence lengths); a step is
 then run at the predicted size, and its peak is measured as each backend keeps
 it on the CPU (TensorFlow: the BFC allocator, in a child process; JAX: the
 resident bytes plus XLA's buffers for the compiled step; PyTorch: the
-profiler's allocation records, `benchmarks/_measure.torch_cpu_peak`). It must
+profiler's allocation records; on a GPU, the allocator's peak over the step:
+`benchmarks/_measure.torch_step_peak`). It must
 be within 10% of the prediction and within the budget (5% for the allocator's
 own rounding), and the next size's predicted peak over the budget.
 """
@@ -92,7 +93,7 @@ def measured_peak(axis, policy, size, env=None):
         resident = _memory._variable_bytes(model.variables) + _memory._optimizer_bytes(model) + x.nbytes
         return resident + _measure.xla_temp_bytes(model, x, labels)  # the compiled step holds the update too
     live = [v.value for v in model.variables] + [v.value for v in model.optimizer.variables]
-    return _measure.torch_cpu_peak(lambda: model.train_on_batch(x, labels), live)
+    return _measure.torch_step_peak(lambda: model.train_on_batch(x, labels), live)
 
 
 # How far the prediction may lie over and under a step's measured peak, as measured (NOTE [ the peak of a plan ]
