@@ -110,13 +110,18 @@ def torch_step_peak(step, live):
 
     if not torch.cuda.is_available():
         return torch_cpu_peak(step, live)
-    start = sum(int(t.untyped_storage().nbytes()) for t in {id(t): t for t in live}.values())
+    start = _live_bytes(live)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
     step()
     torch.cuda.synchronize()
     return start + torch.cuda.max_memory_allocated() - before
+
+
+def _live_bytes(live):
+    """The bytes of the tensors in `live`, each counted once."""
+    return sum(int(t.untyped_storage().nbytes()) for t in {id(t): t for t in live}.values())
 
 
 def torch_cpu_peak(step, live):
@@ -132,7 +137,7 @@ def torch_cpu_peak(step, live):
     """
     from torch.profiler import ProfilerActivity, profile
 
-    start = sum(int(t.untyped_storage().nbytes()) for t in {id(t): t for t in live}.values())
+    start = _live_bytes(live)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiled:
         step()
     total = highest = 0
