@@ -227,6 +227,122 @@ def largest(fits, start, limit, multiple_of=1):
     return low
 
 
+def refine(peak, usable, found, step=1, limit=1 << 20, known=0, slope=None):
+    """The largest multiple of `step` up to `limit` whose `peak(size)` fits `usable`, searched from the prediction `found`; or 0.
+
+    Each call of `peak` compiles a step, so the search takes secant steps on
+    the peaks it has (the peak is smooth in the size), kept inside the
+    bracket of sizes known to fit and not to; it bisects where a secant
+    cannot be drawn or would not narrow the bracket. A prediction off by a
+    step costs two calls. `known`: a size known to fit (0: none), not called.
+    """
+    low, high = known, None  # the largest size known to fit; the smallest known not to
+    points = []  # (size, peak) called, newest last
+    size = max(step, (max(found, known) // step) * step)
+    for _ in range(64):
+        if size <= low:
+            size = low + step
+        if high is not None and size >= high:
+            size = high - step
+        if size <= low or size > limit:
+            break
+        value = peak(size)
+        points.append((size, value))
+        if value <= usable:
+            low = size
+        else:
+            high = size
+        if high is not None and high - low <= step:
+            break
+        if len(points) == 1 and known and high is not None:
+            size = known + step  # does anything beyond the known size fit at all?
+        elif len(points) == 1 and slope:
+            size = _secant(size, value, slope, usable, step)
+        else:
+            size = _next_size(points, usable, low, high, step, limit)
+    return low
+
+
+def _secant(size, value, slope, usable, step):
+    """The size where a line through `(size, value)` of `slope` meets `usable`, in steps, on the far side of it."""
+    guess = size + (usable - value) / slope
+    rounded = int(guess // step) * step
+    return rounded + step if value <= usable and rounded <= size else rounded
+
+
+def _next_size(points, usable, low, high, step, limit):
+    """The next size to call: a secant step through the two newest finite peaks, else doubling or bisection."""
+    finite = [(s, v) for s, v in points if v != float("inf")]
+    guess = None
+    if len(finite) >= 2 and finite[-1][0] != finite[-2][0]:
+        (s0, v0), (s1, v1) = finite[-2], finite[-1]
+        slope = (v1 - v0) / (s1 - s0)
+        if slope > 0:
+            guess = _secant(s1, v1, slope, usable, step)
+    if guess is None or guess <= low or (high is not None and guess >= high) or guess > limit:
+        if high is None:
+            return min(max(low * 2, low + step), limit)
+        guess = ((low + high) // 2 // step) * step
+    if high is not None and guess - low > 2 * (high - guess) and len(points) % 3 == 0:
+        guess = ((low + high) // 2 // step) * step  # every third call, a bisection keeps the bracket shrinking
+    return max(guess, low + step)
+
+
+def checked_rows(rows, count, plan_at, peak_at, usable, limit=1 << 20, multiple_of=1):
+    """Each answer of `rows` made exact against `peak_at(choice, size)`, a step's peak as its compiler states it.
+
+    NOTE [ calibrating the units to the compiler ] in `_model`: the fit
+    answers near the compiler's figure; here the sizes around each answer are
+    compiled (not run) until the largest one whose compiled peak fits is found.
+    `peak_at` returns None where no compiler states the peak: the rows are
+    then left as fitted. `count` units; for the plan, the choice at a size is
+    `plan_at(size)` (the planner's, or None).
+    """
+    answers = {}  # each option's checked answer: the plan's fallback where it fits
+    for row in rows:
+        if not row["largest"]:
+            continue
+        known = 0
+        if row["option"] == PLAN:
+            known = max(answers.values(), default=0)  # one policy on every unit is a plan
+
+            def choice_at(size):
+                return plan_at(size, [option for option, answer in answers.items() if answer >= size])
+        else:
+            def choice_at(size, option=row["option"]):
+                return [option] * count
+        peaks = {}
+
+        def peak(size, choice_at=choice_at, peaks=peaks):
+            if size not in peaks:
+                choice = choice_at(size)
+                peaks[size] = float("inf") if choice is None else peak_at(choice, size)
+            return peaks[size]
+
+        if peak(row["largest"]) is None:
+            return rows
+        slope = None
+        if row.get("next_peak") and row.get("predicted_peak") is not None:
+            slope = (row["next_peak"] - row["predicted_peak"]) / multiple_of or None
+        found = refine(peak, usable, row["largest"], multiple_of, limit, known, slope)
+        if row["option"] != PLAN:
+            answers[row["option"]] = found
+        row["fitted_largest"] = row["largest"]
+        row["checked"] = "compiled"
+        if not found:
+            row.update(largest=None, predicted_peak=None, next_peak=None, policies=None,
+                       note=f"the compiled step at {multiple_of} does not fit: {_budget.format_bytes(peak(multiple_of))}")
+            continue
+        row["largest"], row["predicted_peak"] = found, peak(found)
+        if found + multiple_of <= limit:
+            following = peak(found + multiple_of)
+            row["next_peak"] = following if following != float("inf") else None
+            row["note"] = None if following != float("inf") else f"no plan fits at {found + multiple_of}"
+        if row["option"] == PLAN:
+            row["policies"] = choice_at(found)
+    return rows
+
+
 def fit_rows(fitted, budget, options, plan=True, limit=1 << 20, multiple_of=1):
     """One row per option (and the plan): the largest size whose predicted peak fits `budget`."""
     rows = []

@@ -210,29 +210,60 @@ def execution_of(model, execution, where):
     return COMPILED, "compiled: fit runs a compiled step"
 
 
+def states_compiled_peak(model, execution=COMPILED):
+    """Whether `compiled_peak` gives a figure for `model`'s step under `execution` (compiled, on JAX)."""
+    return execution == COMPILED and hasattr(_measuring_backend(model), "step_bytes")
+
+
+def resident_bytes(model, inputs):
+    """What a step holds whatever it runs: the variables, the optimizer's slots and the batch."""
+    return _variable_bytes(model.variables) + _optimizer_bytes(model) + _tensor_bytes(inputs)
+
+
 def compiled_peak(model, inputs, measured, execution=COMPILED):
     """The peak of a step of `model` as it stands, where a compiler states it (JAX), else None.
 
     NOTE [ checking a plan on JAX ] in `backends/jax.py`. None for an eager step.
     """
-    if execution != COMPILED:
+    if not states_compiled_peak(model, execution):
         return None
-    step_bytes = getattr(_measuring_backend(model), "step_bytes", None)
-    if step_bytes is None:
-        return None
-    return measured.resident + measured.update + step_bytes(model, inputs)  # the step has no update in it
+    resident = measured.resident if measured is not None else resident_bytes(model, inputs)
+    return resident + _measuring_backend(model).step_bytes(model, inputs)  # the optimizer's update is in the step
 
 
 def costs(model, units, inputs, execution=COMPILED):
     """The `_budget.Model` of `model` at `inputs` for `execution`, measured or cached, and the seconds measuring took."""
-    key = (tuple(id(unit) for unit in units), _signature(inputs), execution)
-    cache = model.__dict__.get(_COSTS)
-    if cache is not None and cache.key == key:
-        return cache.model, 0.0
+    key = cache_key(units, inputs, execution)
+    cached = remembered(model, key)
+    if cached is not None:
+        return cached, 0.0
     start = time.perf_counter()
-    measured = _measure(model, units, inputs, _measuring_backend(model), execution)
-    object.__setattr__(model, _COSTS, _Cached(key, measured))
+    measured = remember(model, key, _measure(model, units, inputs, _measuring_backend(model), execution))
     return measured, time.perf_counter() - start
+
+
+def cache_key(units, inputs, execution):
+    """What the costs of `units` depend on besides the model: the units, the inputs' shapes, the execution."""
+    return (tuple(id(unit) for unit in units), _signature(inputs), execution)
+
+
+def remembered(model, key):
+    """What `remember` kept on `model` under `key`, or None."""
+    cache = model.__dict__.get(_COSTS)
+    return cache.entries.get(key) if cache is not None else None
+
+
+def remember(model, key, value):
+    """Keeps `value` on `model` under `key` (the last `_Cached.KEPT` of them: `largest_fit` measures several sizes)."""
+    cache = model.__dict__.get(_COSTS)
+    if cache is None:
+        cache = _Cached()
+        object.__setattr__(model, _COSTS, cache)
+    cache.entries.pop(key, None)
+    cache.entries[key] = value
+    while len(cache.entries) > _Cached.KEPT:
+        cache.entries.pop(next(iter(cache.entries)))
+    return value
 
 
 def unit_name(unit):
@@ -259,9 +290,10 @@ def _backend_name(model):
 class _Cached:
     """Not a dict or list: Keras's saving walks a model's attributes (see `_model._Plan`)."""
 
-    def __init__(self, key, model):
-        self.key = key
-        self.model = model
+    KEPT = 16
+
+    def __init__(self):
+        self.entries = {}
 
 
 def options_of(unit):
@@ -290,7 +322,7 @@ def _measure(model, units, inputs, backend, execution):
             unit_costs.append(_unit_costs(unit, costs_by_kind[kind], *sizes, _recompute_largest(backend, unit)))
         whole = _whole_model_kept(model, units, inputs, backend, _undecorated, recompute_grad, execution)
         outside = max(0, whole - sum(u.options[_policy.FULL].kept for u in unit_costs))
-        resident = _variable_bytes(model.variables) + _optimizer_bytes(model) + _tensor_bytes(inputs)
+        resident = resident_bytes(model, inputs)
         unit_gradients = sum(u.gradient_bytes for u in unit_costs)
         outside_gradients = max(0, _variable_bytes(model.trainable_variables) - unit_gradients)
         # A TensorFlow graph applies each gradient as it is made (NOTE [ the peak of a plan ]).

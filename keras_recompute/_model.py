@@ -259,19 +259,31 @@ def _units_of(model, framework, blocks):
 def measured_costs(model, inputs, *, blocks="auto", execution=None, offload=False, where="largest_fit"):
     """`(units, costs, execution, reason)`: the `_budget.Model` of `model`'s units at `inputs`, offload counted.
 
-    What `memory_report` measures, without the report: for callers that
-    plan over several batch shapes (`largest_fit`).
+    What `memory_report` measures, without the report, calibrated to the
+    compiler's figures where one states them (NOTE [ calibrating the units to
+    the compiler ]): for callers that plan over several batch shapes.
     """
+    units, pieces, execution, reason = _measuring_setup(model, blocks, execution, offload, where)
+    with pieces.measuring() if pieces is not None else contextlib.nullcontext():
+        return (units,) + _calibrated_costs(model, units, inputs, execution, offload) + (execution, reason)
+
+
+def _measuring_setup(model, blocks, execution, offload, where):
+    """`(units, pieces, execution, reason)` for measuring `model` (`pieces` None where the units are layers)."""
     framework = _checked_model(model, where)
     plan, units, pieces = _units_of(model, framework, blocks)
     if execution is None and plan is not None:
         execution = plan.execution
     _check_offload(model, framework, offload, where)
     execution, reason = _memory.execution_of(model, execution, where)
-    with pieces.measuring() if pieces is not None else contextlib.nullcontext():
-        costs, _ = _memory.costs(model, units, inputs, execution)
+    return units, pieces, execution, reason
+
+
+def _calibrated_costs(model, units, inputs, execution, offload):
+    """`(costs,)`: measured (or cached), offload counted, calibrated; inside the pieces' `measuring()`."""
+    costs, _ = _memory.costs(model, units, inputs, execution)
     costs, _ = _memory.with_offload(model, costs, offload)
-    return units, costs, execution, reason
+    return (_calibrated(model, units, inputs, costs, execution, offload),)
 
 
 def largest_fit(
@@ -354,14 +366,24 @@ def largest_fit(
         if option != _budget.NONE:
             _policy.check(option, "largest_fit")
     batches = _fit.checked_inputs(make_inputs, sizes, axis, _flatten)
-    measured, execution_used, reason = [], None, ""
-    for inputs in batches:
-        _, costs, execution_used, reason = measured_costs(
-            model, inputs, blocks=blocks, execution=execution, offload=offload, where="largest_fit"
-        )
-        measured.append(costs)
-    fitted = _fit.FittedModel(sizes, measured, _fit.DEGREES[axis])
-    rows = _fit.fit_rows(fitted, usable, options, plan, limit, multiple_of)
+    units, pieces, execution, reason = _measuring_setup(model, blocks, execution, offload, "largest_fit")
+    with pieces.measuring() if pieces is not None else contextlib.nullcontext():
+        measured = [_calibrated_costs(model, units, inputs, execution, offload)[0] for inputs in batches]
+        fitted = _fit.FittedModel(sizes, measured, _fit.DEGREES[axis])
+        rows = _fit.fit_rows(fitted, usable, options, plan, limit, multiple_of)
+        if _memory.states_compiled_peak(model, execution):  # each answer checked by compiling the step there
+            compiled = {}
+
+            def peak_at(choice, size):
+                key = (tuple(choice), size)
+                if key not in compiled:
+                    compiled[key] = _compiled_peak_of(model, units, choice, make_inputs(size), None, execution, offload)
+                return compiled[key]
+
+            def plan_at(size, fitting):  # as recompute_model(budget=) plans at that size
+                return _checked_plan(fitted.at(size), usable, lambda policies: peak_at(policies, size), fitting)
+
+            _fit.checked_rows(rows, len(units), plan_at, peak_at, usable, limit, multiple_of)
     answered = [row for row in rows if row["largest"]]
     if not answered and all((row["residual"] or 0.0) <= _fit.RESIDUAL_LIMIT for row in rows):
         floor = fitted.at(multiple_of).floor()
@@ -373,7 +395,7 @@ def largest_fit(
             f"{_budget.format_bytes(fitted.at(multiple_of).resident)}). Allow more memory, or use a smaller model."
         )
     title = f"keras_recompute largest fit: {model.name!r}, {len(fitted.names)} units, {_memory._backend_name(model)}"
-    return _fit.FitReport(title, axis, budget_bytes, sizes, rows, execution_used, reason, multiple_of, headroom)
+    return _fit.FitReport(title, axis, budget_bytes, sizes, rows, execution, reason, multiple_of, headroom)
 
 
 def _flatten(structure):
@@ -552,25 +574,12 @@ def _planned_policies(model, units, budget, inputs, execution, offload=False):
     plain = [_budget.NONE] * len(units)
     if kind == "fraction" and value >= 1.0:
         return plain  # all the activations may stay: nothing to measure
-    costs, _ = _memory.costs(model, units, inputs, execution)
-    costs, _ = _memory.with_offload(model, costs, offload)
+    (costs,) = _calibrated_costs(model, units, inputs, execution, offload)
     if kind == "fraction":
         value = costs.peak(plain) - (1.0 - value) * costs.activation_bytes(plain)
-    policies = _budget.solve(costs, value)
-    target = value
-    for _ in range(3):  # where a compiler states the step's peak, the plan is checked against it
-        if policies is None:
-            break
-        undos = [_patch_call(unit, True, p, offload) for unit, p in zip(units, policies) if p != _budget.NONE]
-        try:
-            actual = _memory.compiled_peak(model, inputs, costs, execution)
-        finally:
-            for undo in reversed(undos):
-                undo()
-        if actual is None or actual <= value:
-            break
-        target -= actual - value
-        policies = _budget.solve(costs, target)
+    policies = _checked_plan(
+        costs, value, lambda policies: _compiled_peak_of(model, units, policies, inputs, costs, execution, offload)
+    )
     if policies is None:
         asked = f"{budget!r}" if kind == "bytes" else f"{budget!r}, a peak of {_budget.format_bytes(value)}"
         raise ValueError(
@@ -579,6 +588,106 @@ def _planned_policies(model, units, budget, inputs, execution, offload=False):
             f"{_budget.format_bytes(costs.resident)}). Train with a smaller batch, or allow more memory."
         )
     return policies
+
+
+def _checked_plan(costs, value, compiled, fallback=None):
+    """The solver's plan under `value`, checked by `compiled(policies)` where a compiler states the peak, else None.
+
+    Over the budget by the compiler's figure, the plan is solved again for a
+    target lower by that much (three tries). A mixed plan's peak is
+    interpolated (NOTE [ calibrating the units to the compiler ]) and can miss
+    where one policy on every unit fits: then the fastest of those whose
+    compiled step fits (the planner then never refuses a budget that `full`
+    meets). `fallback`: the options tried so (default: every option that
+    applies to every unit).
+    """
+    policies = _budget.solve(costs, value)
+    target = value
+    for _ in range(3):
+        if policies is None:
+            break
+        actual = compiled(policies)
+        if actual is None or actual <= value:
+            return policies
+        target -= actual - value
+        policies = _budget.solve(costs, target)
+    count = len(costs.units)
+    uniform = [o for o in costs.units[0].options if all(o in u.options for u in costs.units)] if count else []
+    uniform = uniform if fallback is None else [o for o in uniform if o in fallback]
+    for option in sorted(uniform, key=lambda o: costs.seconds([o] * count)):
+        actual = compiled([option] * count)
+        if actual is None:
+            break
+        if actual <= value:
+            return [option] * count
+    return None
+
+
+def _compiled_peak_of(model, units, policies, inputs, costs, execution, offload=False):
+    """The compiler's peak of a step with `policies[i]` applied to unit i (`_memory.compiled_peak`), or None."""
+    undos = [_patch_call(unit, True, p, offload) for unit, p in zip(units, policies) if p != _budget.NONE]
+    try:
+        return _memory.compiled_peak(model, inputs, costs, execution)
+    finally:
+        for undo in reversed(undos):
+            undo()
+
+
+def _calibrated(model, units, inputs, costs, execution, offload=False):
+    """`costs` moved to the compiler's figures, where a compiler states a step's peak (JAX); else `costs`.
+
+    NOTE [ calibrating the units to the compiler ]
+    The units' residuals are what the autodiff keeps; XLA's program keeps
+    less (it fuses elementwise work: keras-hub BERT small's step held 0.75-0.84x
+    the residuals' sum) or more (NOTE [ checking a plan on JAX ] in
+    `backends/jax.py`). A planner that believed the sum refused budgets that
+    the compiled step meets, and `largest_fit` answered 0.55-0.84x of what
+    fits. So the step is compiled once per option that applies to every unit
+    (no recompute, each policy, in turn on all units; compiled, not run), and
+    each unit's kept and transient bytes under that option are scaled by the
+    one factor that makes the plan's predicted peak the compiler's (XLA keeps
+    that fraction of what the autodiff says, for that option). A scale, not
+    a shift: it stays smooth in the size, where a shift clamped at 0 bent the
+    fitted curves along the sequence. Every uniform plan's predicted peak is
+    then the compiler's; a mixed plan's is
+    interpolated between them, and checked by compiling it
+    (`_planned_policies`, `largest_fit`).
+    """
+    if not units or not _memory.states_compiled_peak(model, execution):
+        return costs
+    key = ("calibrated", _memory.cache_key(units, inputs, execution), offload)
+    cached = _memory.remembered(model, key)
+    if cached is not None:
+        return cached
+    count = len(units)
+    uniform = [o for o in costs.units[0].options if all(o in unit.options for unit in costs.units)]
+    scales = {}
+    for option in uniform:
+        choice = [option] * count
+        actual = _compiled_peak_of(model, units, choice, inputs, costs, execution, offload)
+        if actual is None:
+            return costs
+        peak = lambda scale, option=option, choice=choice: _scaled(costs, {option: scale}).peak(choice)  # noqa: E731
+        low, high = 0.0, 1.0
+        while peak(high) < actual and high < 1e6:
+            low, high = high, 2 * high
+        for _ in range(50):  # the peak grows with the scale: bisection
+            middle = (low + high) / 2
+            low, high = (middle, high) if peak(middle) < actual else (low, middle)
+        scales[option] = high
+    return _memory.remember(model, key, _scaled(costs, scales))
+
+
+def _scaled(costs, scales):
+    """`costs` with the kept and transient bytes of each unit's option `o` times `scales[o]` (else as they are)."""
+    units = []
+    for unit in costs.units:
+        options = {
+            name: _budget.Option(name, o.kept * scales.get(name, 1.0), o.transient * scales.get(name, 1.0), o.seconds)
+            for name, o in unit.options.items()
+        }
+        units.append(_budget.UnitCosts(unit.name, options, unit.gradient_bytes, unit.input_bytes))
+    return costs.like(units)
 
 
 def _framework(model):

@@ -102,8 +102,14 @@ def measured_peak(axis, policy, size, env=None):
 # between runs (full at batch 46: 58.4 MB measured against 66.1 predicted; at sequence 466: 20.1 against 25.1);
 # Keras's seeded dropout on PyTorch makes about three score-sized temporaries, fewer along the batch. Under: 10%,
 # but 15% along the sequence on TensorFlow, whose executor took one step from 23.0 to 30.2 MB between runs.
+# JAX: the answer is checked by compiling the step there (NOTE [ calibrating the units to the compiler ]), and the
+# compiled stand-in for Keras's step holds what Keras's own does (NOTE [ checking a plan on JAX ]): 2%.
 TOLERANCE = {("sequence", "tensorflow"): (0.35, 0.15), ("batch", "tensorflow"): (0.20, 0.10),
-             ("sequence", "torch"): (0.15, 0.10), ("batch", "torch"): (0.20, 0.10)}
+             ("sequence", "torch"): (0.15, 0.10), ("batch", "torch"): (0.20, 0.10),
+             ("sequence", "jax"): (0.02, 0.02), ("batch", "jax"): (0.02, 0.02)}
+# The batch budget: XLA's plain step at batch 8 already peaks at 62 MB, so JAX's is larger (an answer past the sizes
+# measured: extrapolated, not read off).
+BATCH_BUDGET = {"jax": 96 * 2**20}
 
 
 @pytest.mark.parametrize("axis", ["batch", "sequence"])
@@ -113,7 +119,7 @@ def test_the_predicted_largest_size_fits_and_the_next_does_not(axis):
     model = sequence_model()
     make = make_batch if axis == "batch" else make_sequence
     sizes = (2, 4, 8) if axis == "batch" else (32, 64, 96, 128)
-    budget = 64 * 2**20 if axis == "batch" else 24 * 2**20
+    budget = BATCH_BUDGET.get(BACKEND, 64 * 2**20) if axis == "batch" else 24 * 2**20
     report = largest_fit(model, budget, make, axis=axis, sizes=sizes, options=["none", "full"], headroom=0)
     assert isinstance(report, FitReport) and "largest" in str(report)
     none, full = report.largest("none"), report.largest("full")
@@ -121,7 +127,7 @@ def test_the_predicted_largest_size_fits_and_the_next_does_not(axis):
     assert report.largest("plan") >= full, str(report)
     safe = largest_fit(model, budget, make, axis=axis, sizes=sizes, options=["none", "full"], plan=False)
     assert "10% of it kept" in str(safe)
-    over, under = TOLERANCE.get((axis, BACKEND), (0.10, 0.10))  # the prediction over, under the measured peak
+    over, under = TOLERANCE[axis, BACKEND]  # the prediction over, under the measured peak
     for policy in ("none", "full"):
         row = next(row for row in report.rows if row["option"] == policy)
         assert row["predicted_peak"] <= budget < row["next_peak"], row
