@@ -258,6 +258,8 @@ def refine(peak, usable, found, step=1, limit=1 << 20, known=0, slope=None):
             size = known + step  # does anything beyond the known size fit at all?
         elif len(points) == 1 and slope:
             size = _secant(size, value, slope, usable, step)
+        elif len(points) == 1:  # no slope: the neighbour across the boundary, if the prediction is right
+            size = size + step if value <= usable else size - step
         else:
             size = _next_size(points, usable, low, high, step, limit)
     return low
@@ -283,7 +285,7 @@ def _next_size(points, usable, low, high, step, limit):
         if high is None:
             return min(max(low * 2, low + step), limit)
         guess = ((low + high) // 2 // step) * step
-    if high is not None and guess - low > 2 * (high - guess) and len(points) % 3 == 0:
+    if high is not None and low and guess - low > 2 * (high - guess) and len(points) % 3 == 0:
         guess = ((low + high) // 2 // step) * step  # every third call, a bisection keeps the bracket shrinking
     return max(guess, low + step)
 

@@ -106,6 +106,85 @@ def test_the_report_reads():
     assert report.largest("full") == rows[1]["largest"]
 
 
+def counted(peak):
+    """`peak`, and the sizes it was called at (each call is a compile where it is used)."""
+    calls = []
+
+    def call(size):
+        calls.append(size)
+        return peak(size)
+
+    return call, calls
+
+
+@pytest.mark.parametrize("found", [1, 57, 400, 571, 572, 900, 40000])
+@pytest.mark.parametrize("peak", [lambda s: 1000 + 7 * s, lambda s: 100 + 0.01 * s * s, lambda s: 1000 + 3 * s + 0.002 * s * s])
+def test_refine_finds_the_largest_fitting_size_from_any_prediction(found, peak):
+    want = brute_largest(peak, 5000, limit=100000)
+    call, calls = counted(peak)
+    assert _fit.refine(call, 5000, found, limit=100000) == want
+    assert peak(want) <= 5000 < peak(want + 1)
+    assert want in calls and want + 1 in calls  # both sides of the answer were compiled
+    if want / 2 <= found <= 2 * want:  # a prediction within 2x, as the calibrated fit's are: a few compiles
+        assert len(calls) <= 8, calls
+
+
+def test_refine_from_a_prediction_one_step_off_calls_twice():
+    for found in (571, 572):
+        call, calls = counted(lambda s: 1000 + 7 * s)
+        assert _fit.refine(call, 5000, found, slope=7.0) == 571 and sorted(calls) == [571, 572]
+
+
+def test_refine_in_multiples_past_a_known_size_and_where_nothing_fits():
+    call, calls = counted(lambda s: 1000 + 7 * s)
+    assert _fit.refine(call, 5000, 100, step=8, known=400) == 568 and all(s % 8 == 0 and s > 400 for s in calls)
+    call, calls = counted(lambda s: float("inf") if s > 600 else 10 * s)  # no plan past 600: no secant there
+    assert _fit.refine(call, 5000, 900) == 500
+    call, calls = counted(lambda s: 10**9)
+    assert _fit.refine(call, 5000, 7) == 0 and calls[-1] == 1
+    call, calls = counted(lambda s: 10**9)
+    assert _fit.refine(call, 5000, 7, known=3) == 3 and calls == [7, 4]
+
+
+def test_checked_rows_move_each_answer_to_the_compilers_and_the_plan_to_at_least_the_best_option():
+    fit = fitted([2, 4, 8], 1)
+    budget = 900 * MB
+    rows = _fit.fit_rows(fit, budget, ["none", "full"], plan=True, limit=5000)
+    fitted_answers = {row["option"]: row["largest"] for row in rows}
+    # The "compiler" holds 80% of what the units predict plain and 90% under full; no mixed plan fits past full.
+    scale = {"none": 0.8, "full": 0.9}
+
+    def peak_at(choice, size):
+        if len(set(choice)) > 1:
+            return 2 * budget
+        return scale[choice[0]] * model_at(size).peak(choice)
+
+    asked = []
+
+    def plan_at(size, fitting):
+        asked.append((size, tuple(fitting)))
+        return ["full"] * 4 if "full" in fitting else ["none", "full", "full", "full"]
+
+    _fit.checked_rows(rows, 4, plan_at, peak_at, budget, limit=5000)
+    rows = {row["option"]: row for row in rows}
+    for option in ("none", "full"):
+        want = brute_largest(lambda s: peak_at([option] * 4, s), budget)
+        assert rows[option]["largest"] == want > fitted_answers[option], (option, rows[option])
+        assert rows[option]["predicted_peak"] <= budget < rows[option]["next_peak"]
+        assert rows[option]["fitted_largest"] == fitted_answers[option] and rows[option]["checked"] == "compiled"
+    assert rows["plan"]["largest"] == rows["full"]["largest"] and rows["plan"]["policies"] == ["full"] * 4
+    assert "no plan fits" not in (rows["plan"]["note"] or "") or rows["plan"]["next_peak"] is None
+    assert all(("full" in fitting) == (size <= rows["full"]["largest"]) for size, fitting in asked)
+
+
+def test_checked_rows_leave_the_fit_where_no_compiler_states_a_peak():
+    fit = fitted([2, 4, 8], 1)
+    rows = _fit.fit_rows(fit, 900 * MB, ["none", "full"], plan=True, limit=5000)
+    before = [dict(row) for row in rows]
+    _fit.checked_rows(rows, 4, lambda size, fitting: None, lambda choice, size: None, 900 * MB, limit=5000)
+    assert rows == before
+
+
 @pytest.mark.parametrize(
     "arguments, match",
     [
