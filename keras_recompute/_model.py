@@ -610,23 +610,6 @@ def _checked_plan(costs, value, compiled, fallback=None, calibrated_here=True):
     """
     policies = _budget.solve(costs, value)
     target = value
-    if policies is None:
-        # A mixed plan's interpolated peak can lie over its compiled one (keras-hub BERT small at batch 59: full on
-        # three blocks and attention_core on the last, 576.3 MB predicted, 563.8 compiled, under a budget of 566.2
-        # that full on all four, 571.6, misses). The step peaks in the last unit's backward (NOTE [ the peak of a
-        # plan ] in `_budget`): the plan of the least peak, then it with each other option on the last unit.
-        least = _budget.solve(costs, costs.floor())
-        candidates = [] if least is None else [least] + sorted(
-            (least[:-1] + [option] for option in costs.units[-1].options if option != least[-1]),
-            key=costs.peak,
-        )
-        for candidate in candidates:
-            actual = compiled(candidate)
-            if actual is None:
-                return None  # nothing states the peak: no plan is predicted to fit
-            if actual <= value:
-                return candidate
-        policies = None
     for _ in range(3):
         if policies is None:
             break
@@ -635,6 +618,20 @@ def _checked_plan(costs, value, compiled, fallback=None, calibrated_here=True):
             return policies
         target -= actual - value
         policies = _budget.solve(costs, target)
+    # A mixed plan's interpolated peak can lie over its compiled one (keras-hub BERT small at batch 59: full on
+    # three blocks and attention_core on the last, 576.3 MB predicted, 563.8 compiled, under a budget of 566.2
+    # that full on all four, 571.6, misses). The step peaks in the last unit's backward (NOTE [ the peak of a
+    # plan ] in `_budget`): the plan of the least peak, then it with each other option on the last unit.
+    least = _budget.solve(costs, costs.floor())
+    candidates = [] if not least else [least] + sorted(
+        (least[:-1] + [option] for option in costs.units[-1].options if option != least[-1]), key=costs.peak
+    )
+    for candidate in candidates:
+        actual = compiled(candidate)
+        if actual is None:
+            return None  # nothing states the peak: no plan is predicted to fit
+        if actual <= value:
+            return candidate
     count = len(costs.units)
     uniform = [o for o in costs.units[0].options if all(o in u.options for u in costs.units)] if count else []
     uniform = uniform if fallback is None else [o for o in uniform if o in fallback]
