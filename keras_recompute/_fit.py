@@ -32,6 +32,13 @@ An answer that runs out of
 memory costs more than one a little smaller, so by default the predicted
 peak must fit 90% of the budget (`headroom=0.1`); `headroom=0` answers
 against the whole budget.
+
+Where a compiler states a step's peak (JAX, compiled), the answers are its:
+the measured models are calibrated to it at each size (NOTE [ calibrating
+the units to the compiler ] in `_model`), and `checked_rows` then compiles
+the step around each fitted answer (`refine`: a few compiles) until the
+answer fits and the size one on does not. A step run there measured 1.00x
+its prediction (docs/benchmarks.md, "The largest fit").
 """
 
 from keras_recompute import _budget, _policy
