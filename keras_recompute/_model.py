@@ -265,7 +265,7 @@ def measured_costs(model, inputs, *, blocks="auto", execution=None, offload=Fals
     """
     units, pieces, execution, reason = _measuring_setup(model, blocks, execution, offload, where)
     with pieces.measuring() if pieces is not None else contextlib.nullcontext():
-        return (units,) + _calibrated_costs(model, units, inputs, execution, offload) + (execution, reason)
+        return units, _calibrated_costs(model, units, inputs, execution, offload), execution, reason
 
 
 def _measuring_setup(model, blocks, execution, offload, where):
@@ -280,10 +280,10 @@ def _measuring_setup(model, blocks, execution, offload, where):
 
 
 def _calibrated_costs(model, units, inputs, execution, offload):
-    """`(costs,)`: measured (or cached), offload counted, calibrated; inside the pieces' `measuring()`."""
+    """The costs: measured (or cached), offload counted, calibrated; inside the pieces' `measuring()`."""
     costs, _ = _memory.costs(model, units, inputs, execution)
     costs, _ = _memory.with_offload(model, costs, offload)
-    return (_calibrated(model, units, inputs, costs, execution, offload),)
+    return _calibrated(model, units, inputs, costs, execution, offload)
 
 
 def largest_fit(
@@ -368,7 +368,7 @@ def largest_fit(
     batches = _fit.checked_inputs(make_inputs, sizes, axis, _flatten)
     units, pieces, execution, reason = _measuring_setup(model, blocks, execution, offload, "largest_fit")
     with pieces.measuring() if pieces is not None else contextlib.nullcontext():
-        measured = [_calibrated_costs(model, units, inputs, execution, offload)[0] for inputs in batches]
+        measured = [_calibrated_costs(model, units, inputs, execution, offload) for inputs in batches]
         fitted = _fit.FittedModel(sizes, measured, _fit.DEGREES[axis])
         rows = _fit.fit_rows(fitted, usable, options, plan, limit, multiple_of)
         if _memory.states_compiled_peak(model, execution):  # each answer checked by compiling the step there
@@ -576,7 +576,7 @@ def _planned_policies(model, units, budget, inputs, execution, offload=False):
     plain = [_budget.NONE] * len(units)
     if kind == "fraction" and value >= 1.0:
         return plain  # all the activations may stay: nothing to measure
-    (costs,) = _calibrated_costs(model, units, inputs, execution, offload)
+    costs = _calibrated_costs(model, units, inputs, execution, offload)
     if kind == "fraction":
         value = costs.peak(plain) - (1.0 - value) * costs.activation_bytes(plain)
     policies = _checked_plan(
