@@ -46,18 +46,29 @@ runs the units last to first. While it runs unit i:
     over with 1).
 Every option keeps the unit's inputs: its first layers save them, or its
 recompute starts from them.
-The optimizer's update adds its own temporaries (`update`): Adam's update of
+The optimizer's update adds its own temporaries (`update`). Adam's update of
 one variable makes about two of its size (`m * beta_1`, `sqrt(v)`; tf_keras's
-legacy Adam on an embedding's sparse gradient, Keras 3's Adam on any), and in
-a graph TensorFlow runs them while the backward runs, as soon as their inputs
-exist, not after it. So `update` is twice the largest trainable variable,
-counted at every point. On bert4keras BERT-base at batch 8 (an embedding of
-89 MiB, legacy Adam) the step's peak was 45 MiB (`save_dots` on every block)
-and 96 MiB (on all but the last) above the prediction without it, and 13 MiB
+legacy Adam on an embedding's sparse gradient, Keras 3's Adam on any); Keras's
+PyTorch optimizers update every weight at once (`torch._foreach_*`), each
+operation making new tensors as large as all the weights: Adam holds four
+times all the trainable bytes at its height (`_memory.TORCH_UPDATE`, measured
+per optimizer). Where Keras applies the gradients after the backward, the
+update exists only at the end. In a graph TensorFlow runs each variable's
+update while the backward runs, as soon as its gradient exists: at unit i's
+point, the update of unit i's or the next unit's weights (`update_bytes`,
+twice the unit's largest weight), and the whole update (twice the largest
+weight, an embedding's) at the end, where the gradients of the weights outside
+the units are made. Counted at every point before (twice the largest weight),
+it over-predicted keras-hub BERT small's step by 60 MB, 8-18% at the batches
+`largest_fit` answers on TensorFlow (2-4% either way since), and missed
+PyTorch's step at a small batch by 30% (the end, where all the weights'
+update peaks). On bert4keras BERT-base at batch 8 (an embedding of 89 MiB,
+legacy Adam) the step's peak was 45 MiB (`save_dots` on every block) and 96
+MiB (on all but the last) above the prediction without any update, and 13 MiB
 under it with SGD.
-So the peak is `resident + update + outside + max over i of (kept[0..i] +
-gradients[i..] + transient[i])`, and at the very end, `resident + update +
-all gradients + outside`.
+So the peak is `resident + outside + max over i of (kept[0..i] +
+gradients[i..] + update[i] + transient[i])`, and at the very end, `resident +
+update + all gradients + outside`.
 That maximum over a prefix is what makes this more than a knapsack: the
 solver walks the units in order with the prefix sum as its state.
 
@@ -163,13 +174,22 @@ class Option:
 
 
 class UnitCosts:
-    """A unit's options (by policy name, `"none"` included), the bytes of its weights' gradients and of its inputs."""
+    """A unit's options (by policy name, `"none"` included), the bytes of its weights' gradients and of its inputs.
 
-    def __init__(self, name, options, gradient_bytes, input_bytes=0):
+    `update_bytes`: what the optimizer's update of the unit's weights
+    allocates at once (twice its largest weight; 0 without an optimizer).
+    """
+
+    def __init__(self, name, options, gradient_bytes, input_bytes=0, update_bytes=0):
         self.name = name
         self.options = dict(options)
         self.gradient_bytes = int(gradient_bytes)
         self.input_bytes = int(input_bytes)
+        self.update_bytes = int(update_bytes)
+
+    def like(self, options):
+        """This unit with other options."""
+        return UnitCosts(self.name, options, self.gradient_bytes, self.input_bytes, self.update_bytes)
 
 
 def offloaded(model, policies):
@@ -189,7 +209,7 @@ def offloaded(model, policies):
                 moved = min(unit.input_bytes, option.kept)
                 option = Option(name, option.kept - moved, option.transient + moved, option.seconds)
             options[name] = option
-        units.append(UnitCosts(unit.name, options, unit.gradient_bytes, unit.input_bytes))
+        units.append(unit.like(options))
     return model.like(units)
 
 
@@ -216,12 +236,12 @@ class Model:
 
     def peak(self, choice):
         """The predicted peak, in bytes, with `choice[i]` the policy of unit i (`"none"`: kept)."""
-        peak = self._fixed() + self._gradients(len(self.units))
+        peak = self._fixed() + self._held(len(self.units))
         kept = 0
         for index, (unit, policy) in enumerate(zip(self.units, choice)):
             option = unit.options[policy]
             kept += option.kept
-            peak = max(peak, self._base(index) + kept + option.transient)
+            peak = max(peak, self._fixed() + self._held(index) + kept + option.transient)
         return peak
 
     def seconds(self, choice):
@@ -231,9 +251,21 @@ class Model:
         """What the forward keeps, outside and in the units: the part a fraction budget scales."""
         return self.outside + sum(unit.options[policy].kept for unit, policy in zip(self.units, choice))
 
-    def _base(self, index):
-        """The fixed part, and the gradients that exist while unit `index`'s backward runs."""
-        return self._fixed() + self._gradients(index)
+    def _held(self, index):
+        """The gradients, and the optimizer's update, alive while unit `index`'s backward runs (`len(units)`: at the end)."""
+        return self._gradients(index) + self._updating(index)
+
+    def _updating(self, index):
+        """What the optimizer's update allocates while unit `index`'s backward runs (`len(units)`: at the end).
+
+        After the backward, all of it. Applied as made: the update of the
+        gradients then alive (unit `index`'s and the next unit's).
+        """
+        if index == len(self.units):
+            return self.update
+        if not self.applied_as_made:
+            return 0
+        return max((u.update_bytes for u in self.units[index:index + 2]), default=0)
 
     def _gradients(self, index):
         """The weights' gradients alive while unit `index`'s backward runs (`len(units)`: at the end).
@@ -251,8 +283,8 @@ class Model:
         return sum(u.gradient_bytes for u in self.units[index:index + 2])
 
     def _fixed(self):
-        """What every point of the step holds whatever the plan: resident, the update, outside."""
-        return self.resident + self.update + self.outside
+        """What every point of the step holds whatever the plan: resident, outside."""
+        return self.resident + self.outside
 
     def floor(self):
         """The least peak any plan reaches, to 0.1% (the solver, bisected over budgets)."""
@@ -285,7 +317,7 @@ def solve(model, budget, quanta=2000):
     # best[k] = (seconds, kept, choices): the fastest prefix whose kept bytes fall in quantum k.
     best = {0: (0.0, 0, ())}
     for index, unit in enumerate(model.units):
-        gradients = model._gradients(index)
+        gradients = model._held(index)
         following = {}
         for seconds, kept, choices in best.values():
             for policy, option in unit.options.items():

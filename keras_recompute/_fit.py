@@ -184,19 +184,20 @@ class FittedModel:
                 picked = [u.options[option] for u in unit_models]
                 options[option] = tuple(fit([getattr(o, field) for o in picked]) for field in ("kept", "transient", "seconds"))
             self._units.append((
-                fit([u.gradient_bytes for u in unit_models]), fit([u.input_bytes for u in unit_models]), options,
+                fit([u.gradient_bytes for u in unit_models]), fit([u.input_bytes for u in unit_models]),
+                fit([u.update_bytes for u in unit_models]), options,
             ))
 
     def at(self, size):
         """The `_budget.Model` the fit predicts at `size` (no field below 0)."""
         value = lambda coefficients: max(0.0, _evaluate(coefficients, size))  # noqa: E731
         units = []
-        for name, (gradients, inputs, options) in zip(self.names, self._units):
+        for name, (gradients, inputs, update, options) in zip(self.names, self._units):
             built = {
                 option: _budget.Option(option, value(kept), value(transient), value(seconds))
                 for option, (kept, transient, seconds) in options.items()
             }
-            units.append(_budget.UnitCosts(name, built, value(gradients), value(inputs)))
+            units.append(_budget.UnitCosts(name, built, value(gradients), value(inputs), value(update)))
         fixed = {name: value(coefficients) for name, coefficients in self._fixed.items()}
         return _budget.Model(
             units, fixed["resident"], fixed["outside"], fixed["outside_gradient_bytes"], fixed["update"], self._applied_as_made

@@ -319,7 +319,7 @@ def _measure(model, units, inputs, backend, execution):
                 costs_by_kind[kind] = _measure_options(
                     unit, args, kwargs, backend, _undecorated(unit.call), recompute_grad, execution
                 )
-            unit_costs.append(_unit_costs(unit, costs_by_kind[kind], *sizes, _recompute_largest(backend, unit)))
+            unit_costs.append(_unit_costs(unit, costs_by_kind[kind], *sizes, _recompute_largest(backend, unit), model))
         whole = _whole_model_kept(model, units, inputs, backend, _undecorated, recompute_grad, execution)
         outside = max(0, whole - sum(u.options[_policy.FULL].kept for u in unit_costs))
         resident = resident_bytes(model, inputs)
@@ -388,7 +388,7 @@ def _dropouts(unit):
     return [layer for layer in layers if isinstance(getattr(layer, "rate", None), float) and layer.rate > 0]
 
 
-def _unit_costs(unit, measured, input_bytes, output_bytes, recompute_largest=1.0):
+def _unit_costs(unit, measured, input_bytes, output_bytes, recompute_largest=1.0, model=None):
     """A unit's options from its measurements (NOTE [ the peak of a plan ] in `_budget`)."""
     kept_none, largest, seconds_none = measured[_budget.NONE]
     options = {}
@@ -400,7 +400,8 @@ def _unit_costs(unit, measured, input_bytes, output_bytes, recompute_largest=1.0
         extra = 0.0 if option == _budget.NONE else max(seconds - seconds_none, 1e-6)
         # Every option holds the unit's inputs: its first layers save them, or the recompute needs them.
         options[option] = _budget.Option(option, input_bytes + kept, transient, extra)
-    return _budget.UnitCosts(unit_name(unit), options, _variable_bytes(unit.trainable_variables), input_bytes)
+    update = _update_bytes(model, unit.trainable_variables) if model is not None else 0
+    return _budget.UnitCosts(unit_name(unit), options, _variable_bytes(unit.trainable_variables), input_bytes, update)
 
 
 def _record(model, units, inputs, backend):
@@ -521,11 +522,38 @@ def _tensor_bytes(tree):
     return total
 
 
-def _update_bytes(model):
-    """What the optimizer's update allocates at once: twice the largest weight (NOTE [ the peak of a plan ])."""
-    if getattr(model, "optimizer", None) is None:
+# What Keras's PyTorch optimizers allocate in their update, in multiples of all the trainable weights' bytes:
+# they update every weight at once (`torch._foreach_*`, `TorchParallelOptimizer`), each operation making a
+# list of new tensors as large as all the weights. Measured with the profiler's allocation records, above the
+# weights, the slots and the gradients (Keras 3.15, `tests/test_budget.py::test_the_torch_update_is_measured`).
+TORCH_UPDATE = {
+    "SGD": 1, "Lion": 3, "Adam": 4, "AdamW": 4, "Adamax": 4, "Adagrad": 4, "Adadelta": 4, "RMSprop": 4, "Nadam": 6,
+}
+
+
+def _update_bytes(model, variables=None):
+    """What the optimizer's update of `variables` (default: all) allocates at once (NOTE [ the peak of a plan ]).
+
+    Twice the largest, but for a whole model on PyTorch under one of Keras's
+    optimizers that update all the weights at once (`TORCH_UPDATE`).
+    """
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None:
         return 0
-    return 2 * max((_variable_bytes([v]) for v in model.trainable_variables), default=0)
+    trainable = [v for v in (model.trainable_variables if variables is None else variables) if _trainable(v)]
+    factor = _torch_update_factor(optimizer) if variables is None else None
+    if factor is not None:
+        return factor * _variable_bytes(trainable)
+    return 2 * max((_variable_bytes([v]) for v in trainable), default=0)
+
+
+def _torch_update_factor(optimizer):
+    """`TORCH_UPDATE`'s factor for one of Keras's PyTorch optimizers (or a subclass), else None."""
+    optimizer = getattr(optimizer, "inner_optimizer", optimizer)  # a LossScaleOptimizer's
+    for cls in type(optimizer).__mro__:
+        if cls.__module__.startswith("keras.src.backend.torch.optimizers") and cls.__name__ in TORCH_UPDATE:
+            return TORCH_UPDATE[cls.__name__]
+    return None
 
 
 def _optimizer_bytes(model):

@@ -711,7 +711,7 @@ def _scaled(costs, scales):
             name: _budget.Option(name, o.kept * scales.get(name, 1.0), o.transient * scales.get(name, 1.0), o.seconds)
             for name, o in unit.options.items()
         }
-        units.append(_budget.UnitCosts(unit.name, options, unit.gradient_bytes, unit.input_bytes))
+        units.append(unit.like(options))
     return costs.like(units)
 
 

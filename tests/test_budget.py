@@ -24,7 +24,8 @@ from keras import layers
 from _keras3_twins import BACKEND, FAST_MODE, MODES, compare_on_and_off, loss_and_gradients, step_program
 from keras_recompute import _budget, _memory, _model, memory_report, recompute_model, recompute_scope
 
-X = np.random.RandomState(0).standard_normal((4, 8, 16)).astype("float32")
+# A batch whose activations outweigh the optimizer's update (on PyTorch four times the weights, at the end).
+X = np.random.RandomState(0).standard_normal((64, 8, 16)).astype("float32")
 
 
 class AttentionBlock(layers.Layer):
@@ -56,10 +57,6 @@ def blocks_model(count=4, seq=8, width=16):
 
 def train_call(model, xs):
     return model(xs[0], training=True)
-
-
-def predicted(model):
-    return memory_report(model, X).predicted_peak
 
 
 def pieces_model(count=4, seq=8, width=16):
@@ -144,7 +141,7 @@ def test_a_budget_half_way_is_met_with_fewer_blocks_fully_recomputed():
     model = blocks_model()
     plain = memory_report(model, X)
     recompute_model(model, enabled=True)
-    full = predicted(model)
+    full = memory_report(model, X).predicted_peak
     assert full < plain.predicted_peak == plain.plain_peak
     budget = (full + plain.predicted_peak) // 2
     recompute_model(model, budget=budget, inputs=X, enabled=True)
@@ -253,21 +250,21 @@ def test_a_plan_of_mixed_policies_over_pieces_is_exact(mode):
 
 
 def test_fit_save_and_load_after_a_plan(tmp_path):
-    labels = np.array([0, 1, 2, 1])
+    x, labels = X[:4], np.array([0, 1, 2, 1])
     losses = {}
     for on in (False, True):
         model = blocks_model()
         with fixed_plan(MIXED):
-            recompute_model(model, budget=0.5, inputs=X)
+            recompute_model(model, budget=0.5, inputs=x)
         keras.utils.set_random_seed(3)
         with recompute_scope(on):
-            losses[on] = model.fit(X, labels, epochs=2, batch_size=4, verbose=0).history["loss"]
+            losses[on] = model.fit(x, labels, epochs=2, batch_size=4, verbose=0).history["loss"]
     np.testing.assert_allclose(losses[True], losses[False], rtol=1e-5)
     path = os.path.join(tmp_path, "model.keras")
     model.save(path)
     loaded = keras.models.load_model(path, custom_objects={"AttentionBlock": AttentionBlock})
     assert _model.recomputed_units(loaded) == []
-    np.testing.assert_allclose(loaded.predict(X, verbose=0), model.predict(X, verbose=0), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-6, atol=1e-6)
 
 
 def test_measuring_changes_nothing_in_the_model():
@@ -356,12 +353,45 @@ def test_bad_budgets_say_what_and_how(arguments, error, match):
 
 
 def test_the_update_counted_is_twice_the_largest_weight_once_compiled():
-    from keras_recompute import _memory
-
     model = blocks_model()  # compiled with Adam
     largest = max(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)
-    assert _memory._update_bytes(model) == 2 * largest > 0
+    total = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)
+    # Keras's PyTorch optimizers update every weight at once: a multiple of them all (`TORCH_UPDATE`).
+    assert _memory._update_bytes(model) == (4 * total if BACKEND == "torch" else 2 * largest) > 0
+    assert _memory._update_bytes(model, model.trainable_variables[:2]) == 2 * max(
+        int(np.prod(v.shape)) * 4 for v in model.trainable_variables[:2]
+    )
     assert _memory._update_bytes(keras.Model(model.inputs, model.outputs)) == 0  # no optimizer: neither slots nor update
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="Keras's PyTorch optimizers")
+@pytest.mark.parametrize("name", sorted(_memory.TORCH_UPDATE) + ["SGD_momentum"])
+def test_the_torch_update_is_measured(name):
+    """`_memory.TORCH_UPDATE`: what each of Keras's PyTorch optimizers allocates above the weights, slots and
+    gradients, from the profiler's allocation records (a Keras whose optimizers allocate otherwise fails here)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((256,))
+    hidden = inputs
+    for _ in range(3):
+        hidden = layers.Dense(256)(hidden)
+    model = keras.Model(inputs, hidden)
+    optimizer = keras.optimizers.SGD(0.1, momentum=0.9) if name == "SGD_momentum" else getattr(keras.optimizers, name)()
+    model.compile(optimizer=optimizer, loss="mse")
+    x = np.ones((1, 256), "float32")
+    model.train_on_batch(x, x)
+    held = [v.value for v in model.variables + model.optimizer.variables]
+    start = sum(t.numel() * t.element_size() for t in held + [t.grad for t in held if t.grad is not None])
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiled:
+        model.train_on_batch(x, x)
+    total = highest = 0
+    for event in sorted((e for e in profiled.events() if e.self_cpu_memory_usage), key=lambda e: e.time_range.start):
+        total += event.self_cpu_memory_usage
+        highest = max(highest, total)
+    weights = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)
+    predicted = _memory.resident_bytes(model, x) + weights + _memory._update_bytes(model)  # weights' gradients and update
+    assert abs(start + highest - predicted) < 0.01 * weights, (name, highest / weights)  # the loss and scalars aside
 
 
 def test_memory_report_takes_a_model():

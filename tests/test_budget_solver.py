@@ -118,18 +118,40 @@ def test_the_peak_counts_the_prefix_the_gradients_and_the_transient():
     assert solve(model, 1169) is None and model.floor() == 1170
 
 
-def test_the_optimizer_update_is_counted_at_every_point():
+def test_the_optimizer_update_is_counted_after_the_backward():
+    """NOTE [ the peak of a plan ]: Keras applies the gradients after the backward: the update is at the end only."""
     units = [
-        UnitCosts("a", {"none": Option("none", 100, 10, 0), "full": Option("full", 0, 110, 1)}, 5),
-        UnitCosts("b", {"none": Option("none", 100, 10, 0), "full": Option("full", 0, 110, 1)}, 5),
+        UnitCosts("a", {"none": Option("none", 100, 10, 0), "full": Option("full", 0, 110, 1)}, 5, update_bytes=60),
+        UnitCosts("b", {"none": Option("none", 100, 10, 0), "full": Option("full", 0, 110, 1)}, 5, update_bytes=60),
     ]
     without = Model(units, resident=1000, outside=50, outside_gradient_bytes=7)
-    updated = Model(units, resident=1000, outside=50, outside_gradient_bytes=7, update=40)
+    updated = Model(units, resident=1000, outside=50, outside_gradient_bytes=7, update=150)
+    end = 1000 + 50 + 7 + 10 + 150  # every gradient and the update: after the backward
     for choice in itertools.product(("none", "full"), repeat=2):
-        assert updated.peak(list(choice)) == without.peak(list(choice)) + 40
-    assert updated.floor() == without.floor() + 40 == 1210
+        assert updated.peak(list(choice)) == max(without.peak(list(choice)), end)
+    assert updated.peak(["none", "none"]) == without.peak(["none", "none"]) == 1265  # a unit's point, untouched
+    assert without.floor() == 1170 and updated.floor() == end == 1217
     assert solve(without, 1170) == ["full", "none"] and solve(updated, 1170) is None
-    assert solve(updated, 1210) == ["full", "none"]
+    assert solve(updated, 1217) == ["full", "none"]
+
+
+def test_applied_as_made_the_update_is_that_of_the_gradients_alive():
+    """In a graph each update runs as its gradient is made: at unit i's point, the larger of units i's and i+1's."""
+    option = {_budget.NONE: Option(_budget.NONE, 10, 5, 0.0)}
+    units = [UnitCosts(f"unit_{i}", option, gradient_bytes=100, update_bytes=u) for i, u in enumerate((300, 20, 30, 40))]
+    made = Model(units, resident=1000, outside=0, outside_gradient_bytes=7, update=600, applied_as_made=True)
+    choice = [_budget.NONE] * 4
+    points = {
+        0: 1000 + 10 + 5 + 200 + 300,
+        1: 1000 + 20 + 5 + 200 + 30,
+        2: 1000 + 30 + 5 + 200 + 40,
+        3: 1000 + 40 + 5 + 100 + 40,
+        "end": 1000 + 100 + 7 + 600,  # the first unit's gradients, those outside, and the whole update
+    }
+    assert made.peak(choice) == max(points.values()) == 1707
+    made.update = 0
+    assert made.peak(choice) == points[0] == 1515
+    assert solve(made, 1515) == choice and solve(made, 1514) is None
 
 
 def test_format_bytes():
