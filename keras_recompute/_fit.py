@@ -24,10 +24,15 @@ size more is needed, so the defaults measure three batch sizes and four
 sequence lengths.
 
 The prediction is that of a plan's peak, and it errs both ways against a
-measured one: up to about 15% under (TensorFlow's executor orders a graph's
-ops differently from run to run: the same step of a recomputed encoder
-peaked at 23.0 and 30.2 MB on the CPU), and further over where the planner
-counts more than the step keeps (docs/benchmarks.md, "The largest fit").
+measured one: on the CPU, steps run at the answers measured 0.77-1.09x the
+prediction, one policy on every unit (docs/benchmarks.md, "The largest
+fit"). TensorFlow's executor orders a graph's ops differently from run to
+run (the same step of keras-hub Gemma peaked at 199.0 and 235.6 MiB);
+PyTorch's eager forward holds what a unit's Python code holds (a masked
+softmax's four score-sized tensors at once), which the planner, counting what
+the backward keeps and makes, does not see; and the fit of a unit's largest
+tensor, a maximum, is not a polynomial where the largest changes between the
+sizes measured (an FFN's at sequence 64, the scores' from 128 on).
 An answer that runs out of
 memory costs more than one a little smaller, so by default the predicted
 peak must fit 90% of the budget (`headroom=0.1`); `headroom=0` answers
