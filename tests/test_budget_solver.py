@@ -152,6 +152,13 @@ def test_applied_as_made_the_update_is_that_of_the_gradients_alive():
     made.update = 0
     assert made.peak(choice) == points[0] == 1515
     assert solve(made, 1515) == choice and solve(made, 1514) is None
+    # The next unit's update, too: its gradient is made first, and its update may still run.
+    wide = {_budget.NONE: Option(_budget.NONE, 10, 500, 0.0)}
+    units = [UnitCosts("unit_0", wide, 100, update_bytes=0)] + [
+        UnitCosts(f"unit_{i}", option, 100, update_bytes=u) for i, u in ((1, 300), (2, 0), (3, 0))
+    ]
+    made = Model(units, resident=1000, outside=0, outside_gradient_bytes=7, applied_as_made=True)
+    assert made.peak(choice) == 1000 + 10 + 500 + 200 + 300  # unit 0's point, unit 1's update
 
 
 def test_format_bytes():
