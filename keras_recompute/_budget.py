@@ -236,12 +236,13 @@ class Model:
 
     def peak(self, choice):
         """The predicted peak, in bytes, with `choice[i]` the policy of unit i (`"none"`: kept)."""
-        peak = self._fixed() + self._held(len(self.units))
+        fixed = self._fixed()
+        peak = fixed + self._held(len(self.units))
         kept = 0
         for index, (unit, policy) in enumerate(zip(self.units, choice)):
             option = unit.options[policy]
             kept += option.kept
-            peak = max(peak, self._fixed() + self._held(index) + kept + option.transient)
+            peak = max(peak, fixed + self._held(index) + kept + option.transient)
         return peak
 
     def seconds(self, choice):
@@ -317,12 +318,12 @@ def solve(model, budget, quanta=2000):
     # best[k] = (seconds, kept, choices): the fastest prefix whose kept bytes fall in quantum k.
     best = {0: (0.0, 0, ())}
     for index, unit in enumerate(model.units):
-        gradients = model._held(index)
+        held = model._held(index)
         following = {}
         for seconds, kept, choices in best.values():
             for policy, option in unit.options.items():
                 total = kept + option.kept
-                if total + option.transient + gradients > room:
+                if total + option.transient + held > room:
                     continue
                 key = total // quantum
                 # Of plans alike in time, the one that recomputes earlier units (NOTE [ the solver ]).
