@@ -39,11 +39,21 @@ runs the units last to first. While it runs unit i:
     size, while the recompute holds the rest), and held within 2% under
     XLA (JAX). So the count depends on the backend and the unit's dropout
     (`_memory._recompute_largest`): 2 on TensorFlow where the unit drops
-    out (over-predicting by 4-25% where it varies: an answer that fits), 3
-    on PyTorch where it drops out with a seed (6-12% over along the batch,
-    within 8% along the sequence), else 1 (PyTorch's unseeded dropout is
-    `F.dropout`: the encoder of benchmarks/budget.py was predicted 0-7%
-    over with 1).
+    out (over-predicting by 4-25% where it varies: an answer that fits),
+    else 1. (Those PyTorch figures were read by summing the profiler's
+    records per op, which reads a step up to one large tensor low.)
+On PyTorch, which runs eagerly, the transient is measured instead: each
+option's step of the unit is run once under the profiler (NOTE [ measuring a
+unit on PyTorch ]), and what its backward held above what the unit keeps, its
+output and its weights' gradients is the transient. Two more points are
+measured there, where an eager step's Python holds what a graph frees: a
+unit's forward (`forward`: its locals, keras-hub Gemma's masked softmax holds
+its scores, the masked scores, the probabilities and the masked ones, four
+tensors of the scores' size, on top of the units before it) and the loss's
+backward on the model's outputs, before any unit's (`loss`: a language
+model's logits, their log-softmax and its gradient on top of all the units
+kept). keras-hub Gemma with LoRA, 4 blocks, sequence 1024 without recompute:
+predicted 217 MiB with the count of largest tensors, measured 259 MiB.
 Every option keeps the unit's inputs: its first layers save them, or its
 recompute starts from them.
 The optimizer's update adds its own temporaries (`update`). Adam's update of
@@ -67,8 +77,9 @@ legacy Adam) the step's peak was 45 MiB (`save_dots` on every block) and 96
 MiB (on all but the last) above the prediction without any update, and 13 MiB
 under it with SGD.
 So the peak is `resident + outside + max over i of (kept[0..i] +
-gradients[i..] + update[i] + transient[i])`, and at the very end, `resident +
-update + all gradients + outside`.
+gradients[i..] + update[i] + transient[i])`, of `kept[0..i-1] + inputs[i] +
+forward[i]` (unit i's forward) and of `kept[all] + loss` (the loss's
+backward), and at the very end, `resident + update + all gradients + outside`.
 That maximum over a prefix is what makes this more than a knapsack: the
 solver walks the units in order with the prefix sum as its state.
 
@@ -163,14 +174,18 @@ def format_bytes(size):
 class Option:
     """One way to run a unit: what it keeps through the forward, its transient, its time."""
 
-    def __init__(self, policy, kept, transient, seconds):
+    def __init__(self, policy, kept, transient, seconds, forward=0):
         self.policy = policy
         self.kept = int(kept)
         self.transient = int(transient)
         self.seconds = float(seconds)
+        self.forward = int(forward)
 
     def __repr__(self):
-        return f"Option({self.policy!r}, kept={self.kept}, transient={self.transient}, seconds={self.seconds:.4g})"
+        return (
+            f"Option({self.policy!r}, kept={self.kept}, transient={self.transient}, seconds={self.seconds:.4g}, "
+            f"forward={self.forward})"
+        )
 
 
 class UnitCosts:
@@ -207,7 +222,7 @@ def offloaded(model, policies):
         for name, option in unit.options.items():
             if name in policies:
                 moved = min(unit.input_bytes, option.kept)
-                option = Option(name, option.kept - moved, option.transient + moved, option.seconds)
+                option = Option(name, option.kept - moved, option.transient + moved, option.seconds, option.forward)
             options[name] = option
         units.append(unit.like(options))
     return model.like(units)
@@ -222,17 +237,20 @@ class Model:
     and frees it (a TensorFlow graph), rather than all after the backward.
     """
 
-    def __init__(self, units, resident, outside, outside_gradient_bytes, update=0, applied_as_made=False):
+    def __init__(self, units, resident, outside, outside_gradient_bytes, update=0, applied_as_made=False, loss=0):
         self.units = list(units)
         self.resident = int(resident)
         self.outside = int(outside)
         self.outside_gradient_bytes = int(outside_gradient_bytes)
         self.update = int(update)
         self.applied_as_made = bool(applied_as_made)
+        self.loss = int(loss)
 
     def like(self, units):
         """A model of other units, everything else as this one."""
-        return Model(units, self.resident, self.outside, self.outside_gradient_bytes, self.update, self.applied_as_made)
+        return Model(
+            units, self.resident, self.outside, self.outside_gradient_bytes, self.update, self.applied_as_made, self.loss
+        )
 
     def peak(self, choice):
         """The predicted peak, in bytes, with `choice[i]` the policy of unit i (`"none"`: kept)."""
@@ -241,9 +259,10 @@ class Model:
         kept = 0
         for index, (unit, policy) in enumerate(zip(self.units, choice)):
             option = unit.options[policy]
+            peak = max(peak, fixed + kept + unit.input_bytes + option.forward)  # its forward, where measured
             kept += option.kept
             peak = max(peak, fixed + self._held(index) + kept + option.transient)
-        return peak
+        return max(peak, fixed + kept + self.loss)  # the loss's backward, before any unit's
 
     def seconds(self, choice):
         return sum(unit.options[policy].seconds for unit, policy in zip(self.units, choice))
@@ -323,7 +342,7 @@ def solve(model, budget, quanta=2000):
         for seconds, kept, choices in best.values():
             for policy, option in unit.options.items():
                 total = kept + option.kept
-                if total + option.transient + held > room:
+                if total + option.transient + held > room or kept + unit.input_bytes + option.forward > room:
                     continue
                 key = total // quantum
                 # Of plans alike in time, the one that recomputes earlier units (NOTE [ the solver ]).

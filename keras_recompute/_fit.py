@@ -179,7 +179,7 @@ class FittedModel:
             if [unit.name for unit in model.units] != self.names or [list(u.options) for u in model.units] != self.options:
                 raise ValueError("keras_recompute: the model's units or their options differ between the sizes measured")
         fit = lambda values: polynomial(self.sizes, values, degree)  # noqa: E731
-        self._fixed = {name: fit([getattr(m, name) for m in models]) for name in ("resident", "outside", "outside_gradient_bytes", "update")}
+        self._fixed = {name: fit([getattr(m, name) for m in models]) for name in ("resident", "outside", "outside_gradient_bytes", "update", "loss")}
         self._applied_as_made = first.applied_as_made
         self._units = []
         for index in range(len(self.names)):
@@ -187,7 +187,7 @@ class FittedModel:
             options = {}
             for option in self.options[index]:
                 picked = [u.options[option] for u in unit_models]
-                options[option] = tuple(fit([getattr(o, field) for o in picked]) for field in ("kept", "transient", "seconds"))
+                options[option] = tuple(fit([getattr(o, field) for o in picked]) for field in ("kept", "transient", "seconds", "forward"))
             self._units.append((
                 fit([u.gradient_bytes for u in unit_models]), fit([u.input_bytes for u in unit_models]),
                 fit([u.update_bytes for u in unit_models]), options,
@@ -199,13 +199,14 @@ class FittedModel:
         units = []
         for name, (gradients, inputs, update, options) in zip(self.names, self._units):
             built = {
-                option: _budget.Option(option, value(kept), value(transient), value(seconds))
-                for option, (kept, transient, seconds) in options.items()
+                option: _budget.Option(option, value(kept), value(transient), value(seconds), value(forward))
+                for option, (kept, transient, seconds, forward) in options.items()
             }
             units.append(_budget.UnitCosts(name, built, value(gradients), value(inputs), value(update)))
         fixed = {name: value(coefficients) for name, coefficients in self._fixed.items()}
         return _budget.Model(
-            units, fixed["resident"], fixed["outside"], fixed["outside_gradient_bytes"], fixed["update"], self._applied_as_made
+            units, fixed["resident"], fixed["outside"], fixed["outside_gradient_bytes"], fixed["update"], self._applied_as_made,
+            fixed["loss"],
         )
 
     def residual(self, peak):

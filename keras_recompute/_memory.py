@@ -327,7 +327,9 @@ def _measure(model, units, inputs, backend, execution):
         outside_gradients = max(0, _variable_bytes(model.trainable_variables) - unit_gradients)
         # A TensorFlow graph applies each gradient as it is made (NOTE [ the peak of a plan ]).
         applied_as_made = execution == COMPILED and _module_name(backend) == "tensorflow"
-        return _budget.Model(unit_costs, resident, outside, outside_gradients, _update_bytes(model), applied_as_made)
+        return _budget.Model(
+            unit_costs, resident, outside, outside_gradients, _update_bytes(model), applied_as_made, records[_LOSS]
+        )
     finally:
         for variable, value in zip(state, saved):
             variable.assign(value)
@@ -349,7 +351,9 @@ def _measure_options(unit, args, kwargs, backend, base, recompute_grad, executio
             start = time.perf_counter()
             step()
             seconds[option] = min(seconds[option], time.perf_counter() - start)
-    return {option: measured[option] + (seconds[option],) for option in measured}
+    # Where a step's allocations can be read (PyTorch), what it holds is measured, not modelled.
+    peaks = {option: backend.step_peaks(step) if hasattr(backend, "step_peaks") else None for option, step in steps.items()}
+    return {option: measured[option] + (seconds[option], peaks[option]) for option in measured}
 
 
 def _patched(unit, call, step):
@@ -365,15 +369,11 @@ def _recompute_largest(backend, unit):
 
     Measured (NOTE [ the peak of a plan ] in `_budget`): 1, except where the
     unit draws dropout on TensorFlow (2: its executor's order of a graph's ops
-    varies from run to run) or seeded dropout on PyTorch (3: Keras's seeded
-    dropout makes several temporaries of the masked tensor's size; unseeded,
-    it is `F.dropout`, which makes one).
+    varies from run to run). Not used on PyTorch, whose units' transients are
+    measured (NOTE [ measuring a unit on PyTorch ]).
     """
-    name = _module_name(backend)
-    if name == "tensorflow" and _dropouts(unit):
+    if _module_name(backend) == "tensorflow" and _dropouts(unit):
         return 2.0
-    if name == "torch" and any(getattr(layer, "seed", None) is not None for layer in _dropouts(unit)):
-        return 3.0
     return 1.0
 
 
@@ -390,28 +390,44 @@ def _dropouts(unit):
 
 def _unit_costs(unit, measured, input_bytes, output_bytes, recompute_largest=1.0, model=None):
     """A unit's options from its measurements (NOTE [ the peak of a plan ] in `_budget`)."""
-    kept_none, largest, seconds_none = measured[_budget.NONE]
+    kept_none, largest, seconds_none, _ = measured[_budget.NONE]
+    gradient_bytes = _variable_bytes(unit.trainable_variables)
     options = {}
-    for option, (kept, _, seconds) in measured.items():
-        if option == _budget.NONE:
+    for option, (kept, _, seconds, peaks) in measured.items():
+        forward = 0
+        if peaks is not None:  # measured (NOTE [ measuring a unit on PyTorch ])
+            forward, _, backward = peaks
+            # The step's backward held what the unit keeps, its output (held by the measure, freed in a model's
+            # step by then) and its weights' gradients (counted apart, NOTE [ the peak of a plan ]) beside its own.
+            transient = max(0, backward - kept - output_bytes - gradient_bytes)
+        elif option == _budget.NONE:
             transient = 2 * output_bytes + 2 * largest
         else:  # what its recompute makes again, too
             transient = 2 * output_bytes + recompute_largest * largest + max(0, kept_none - kept)
         extra = 0.0 if option == _budget.NONE else max(seconds - seconds_none, 1e-6)
         # Every option holds the unit's inputs: its first layers save them, or the recompute needs them.
-        options[option] = _budget.Option(option, input_bytes + kept, transient, extra)
+        options[option] = _budget.Option(option, input_bytes + kept, transient, extra, forward)
     update = _update_bytes(model, unit.trainable_variables) if model is not None else 0
-    return _budget.UnitCosts(unit_name(unit), options, _variable_bytes(unit.trainable_variables), input_bytes, update)
+    return _budget.UnitCosts(unit_name(unit), options, gradient_bytes, input_bytes, update)
+
+
+_LOSS = "loss"  # in `_record`'s answer: what a loss's backward holds on the model's outputs
 
 
 def _record(model, units, inputs, backend):
-    """`{id(unit): (args, kwargs, (input_bytes, output_bytes))}` from one training-mode forward of `model`."""
+    """`{id(unit): (args, kwargs, (input_bytes, output_bytes))}` from one training-mode forward of `model`.
+
+    And under `_LOSS`, what a loss's backward holds on its outputs, where it is measured (else 0).
+    """
     records = {}
     with contextlib.ExitStack() as stack:
         for unit in units:
             stack.enter_context(_context.instance_attribute(unit, "call", _recorder(unit, unit.call, records)))
         with _no_gradient(backend):
-            model(inputs, training=True)
+            outputs = model(inputs, training=True)
+    # Where a step's allocations can be read (PyTorch), what the loss's backward holds on the outputs.
+    records[_LOSS] = backend.loss_peak(outputs) if hasattr(backend, "loss_peak") else 0
+    del outputs
     missing = [unit_name(unit) for unit in units if id(unit) not in records]
     if missing:
         raise ValueError(

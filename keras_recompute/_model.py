@@ -708,7 +708,7 @@ def _scaled(costs, scales):
     units = []
     for unit in costs.units:
         options = {
-            name: _budget.Option(name, o.kept * scales.get(name, 1.0), o.transient * scales.get(name, 1.0), o.seconds)
+            name: _budget.Option(name, o.kept * scales.get(name, 1.0), o.transient * scales.get(name, 1.0), o.seconds, o.forward)
             for name, o in unit.options.items()
         }
         units.append(unit.like(options))

@@ -96,6 +96,7 @@ def _backward_in_another_thread():
                 raise raised[0]
             return result[0]
 
+        run_elsewhere.__wrapped__ = originals[name]  # what `inspect.unwrap` finds (a measured step runs here)
         return run_elsewhere
 
     torch.autograd.backward, torch.autograd.grad = threaded("backward"), threaded("grad")

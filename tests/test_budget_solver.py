@@ -118,6 +118,28 @@ def test_the_peak_counts_the_prefix_the_gradients_and_the_transient():
     assert solve(model, 1169) is None and model.floor() == 1170
 
 
+def test_a_units_forward_and_the_losss_backward_are_points_of_the_step():
+    """NOTE [ the peak of a plan ]: where measured (PyTorch), a unit's forward holds its inputs and its forward's
+    height on top of what the units before it kept; the loss's backward holds what every unit kept."""
+    def units(forward):
+        options = {"none": Option("none", 100, 10, 0, forward=forward), "full": Option("full", 20, 110, 1, forward=forward)}
+        return [UnitCosts(name, options, 5, input_bytes=20) for name in "ab"]
+
+    plain = Model(units(0), resident=1000, outside=50, outside_gradient_bytes=7)
+    assert plain.peak(["none", "none"]) == 1000 + 50 + 200 + 5 + 10
+    # b's forward: a's kept, b's inputs and its forward's height (500), no gradient yet.
+    tall = Model(units(500), resident=1000, outside=50, outside_gradient_bytes=7)
+    assert tall.peak(["none", "none"]) == 1000 + 50 + 100 + 20 + 500
+    assert tall.peak(["full", "none"]) == 1000 + 50 + 20 + 20 + 500
+    assert solve(tall, 1000 + 50 + 100 + 20 + 500 - 1) == ["full", "none"]
+    assert solve(tall, 1000 + 50 + 20 + 20 + 500 - 1) is None  # a's forward alone needs 1000 + 50 + 20 + 500
+    # The loss's backward on all that every unit kept, before the last unit's backward.
+    lossy = Model(units(0), resident=1000, outside=50, outside_gradient_bytes=7, loss=400)
+    assert lossy.peak(["none", "none"]) == 1000 + 50 + 200 + 400
+    assert lossy.peak(["full", "full"]) == max(1000 + 50 + 40 + 400, plain.peak(["full", "full"]))
+    assert lossy.like(lossy.units).loss == 400
+
+
 def test_the_optimizer_update_is_counted_after_the_backward():
     """NOTE [ the peak of a plan ]: Keras applies the gradients after the backward: the update is at the end only."""
     units = [

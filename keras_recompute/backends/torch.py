@@ -32,6 +32,7 @@ recompute check on PyTorch ]. `check=False` turns both off.
 """
 
 import contextlib
+import inspect
 import threading
 import weakref
 
@@ -353,6 +354,38 @@ def allocator_peak(reset=False):
     if reset:
         torch.cuda.reset_peak_memory_stats()
     return torch.cuda.max_memory_allocated()
+
+
+def allocation_trace(step, marks=()):
+    """Runs `step()` under the profiler; `(running, at_marks)`: what it allocated, in order.
+
+    `running` is the running sum of the bytes allocated and freed on the
+    device the model runs on, one entry per allocation or free, in the order
+    they happened (NOTE [ measuring a unit on PyTorch ]); `at_marks[name]` is
+    the index in `running` where the `record_function(name)` region named
+    `name` began, for each of `marks` that ran. Memory allocated before the
+    step is not in it (the profiler does not know its size when it is freed).
+    """
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    device = DeviceType.CUDA if str(_device()).startswith("cuda") else DeviceType.CPU
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == DeviceType.CUDA else [])
+    with profile(activities=activities, profile_memory=True) as profiled:
+        step()
+    events = profiled.profiler.kineto_results.events()
+    # Each allocation's own record (by when it happened), not the ops' self usage: an op's net is
+    # counted at its start, before its children allocate, and read a step's peak up to a tensor short.
+    records = sorted(
+        (e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]" and e.device_type() == device
+    )
+    starts = {e.name(): e.start_ns() for e in events if e.name() in marks}
+    running, total = [], 0
+    for _, size in records:
+        total += size
+        running.append(total)
+    at_marks = {name: sum(1 for when, _ in records if when < start) for name, start in starts.items()}
+    return running, at_marks
 
 
 def offload_frees_device_memory():
@@ -747,7 +780,110 @@ def _dropout_replayable():
 # (`_KeepingDots`, entered as the call enters it) fills one, whose bytes are
 # added; and the policies keep packed dropout masks (NOTE [ dropout masks under the
 # policies ]), which `_dropout` reports. Its forward and backward is what
-# `_memory` times.
+# `_memory` times, and then runs once more under the profiler (`step_peaks`):
+# the highest bytes its forward held, and its backward, read from the
+# allocations in the order they happened (`allocation_trace`; on a GPU, the
+# allocator's peak between marks, since autograd's device thread allocates
+# there and the profiler records only the thread it started in). Those are the
+# unit's forward and transient (NOTE [ the peak of a plan ] in `_budget`):
+# measured, not counted in largest tensors, which no one count matched (the
+# masked softmax of keras-hub Gemma holds four tensors of its scores' size in
+# its forward; Keras's seeded dropout makes five in its backward).
+
+
+FORWARD_MARK = "keras_recompute: a measured unit's forward"
+BACKWARD_MARK = "keras_recompute: a measured unit's backward"
+_MARKS = []  # called with each mark as a measured step passes it (`None`: at its end), where step_peaks listens
+
+
+def _autograd_grad(*args, **kwargs):
+    """`torch.autograd.grad`, unwrapped: a measured step's backward runs in the caller's thread, as autograd runs a
+    CPU's, even where a test runs every other backward in a thread of its own (the profiler records only the
+    allocations of the thread it was started in)."""
+    return inspect.unwrap(torch.autograd.grad)(*args, **kwargs)
+
+
+def _marked(name):
+    for listener in _MARKS:
+        listener(name)
+
+
+def step_peaks(step):
+    """What a measured unit's `step` (from `measure_unit`) holds, from its allocations (NOTE [ measuring a unit on PyTorch ]).
+
+    Returns:
+        `(forward, after_forward, backward)`, in bytes above what the step
+        held as its forward began: the highest in its forward, what was alive
+        when the forward returned, the highest in its backward.
+    """
+    if torch.cuda.is_available() and str(_device()).startswith("cuda"):
+        return _cuda_step_peaks(step)
+    running, marks = allocation_trace(step, (FORWARD_MARK, BACKWARD_MARK))
+    if FORWARD_MARK not in marks or BACKWARD_MARK not in marks:
+        raise RuntimeError("keras_recompute: the profiler recorded no measured forward and backward")
+    begin, split = marks[FORWARD_MARK], marks[BACKWARD_MARK]
+    base = running[begin - 1] if begin else 0
+    after = running[split - 1] if split else 0
+    forward = max(running[begin:split], default=after)
+    backward = max(running[split:], default=after)
+    return forward - base, after - base, backward - base
+
+
+def loss_peak(outputs):
+    """What a loss's backward holds on `outputs` (a model's, from a forward without gradients), in bytes above them.
+
+    A stand-in for the user's loss, as on JAX (NOTE [ checking a plan on JAX ]): Keras's sparse
+    cross-entropy over the last axis where it has classes, else a square's, and its gradient with
+    respect to the outputs, measured as `step_peaks` measures a unit's backward.
+    """
+    leaves = [o for o in keras.tree.flatten(outputs) if isinstance(o, torch.Tensor) and o.is_floating_point()]
+    copies = [o.detach().clone().requires_grad_(True) for o in leaves]
+
+    def step():
+        _marked(FORWARD_MARK)
+        with torch.profiler.record_function(FORWARD_MARK):
+            pass
+        _marked(BACKWARD_MARK)
+        with torch.profiler.record_function(BACKWARD_MARK):
+            loss = 0
+            for output in copies:
+                output = output.float()
+                if output.ndim >= 2 and output.shape[-1] > 1:
+                    labels = output.detach().argmax(-1)
+                    loss = loss + keras.losses.sparse_categorical_crossentropy(labels, output, from_logits=True).sum()
+                else:
+                    loss = loss + 0.5 * (output * output).sum()
+            if copies:
+                _autograd_grad(loss, copies)
+        _marked(None)
+
+    return step_peaks(step)[2]
+
+
+def _cuda_step_peaks(step):
+    """`step_peaks` from CUDA's allocator: its peak, reset at each mark (autograd's device thread allocates too)."""
+    seen = {}
+
+    def listen(name):
+        torch.cuda.synchronize()
+        seen[name] = (torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated())
+        torch.cuda.reset_peak_memory_stats()
+
+    _MARKS.append(listen)
+    try:
+        step()
+    finally:
+        _MARKS.remove(listen)
+    base = seen[FORWARD_MARK][0]
+    after, forward = seen[BACKWARD_MARK]
+    backward = seen[None][1]
+    return forward - base, after - base, backward - base
+
+
+def _device():
+    from keras.src.backend.torch.core import get_device
+
+    return get_device()
 
 
 def measure_unit(layer, args, kwargs, policy, timed=True, execution="compiled"):
@@ -807,7 +943,8 @@ def measure_unit(layer, args, kwargs, policy, timed=True, execution="compiled"):
         _MEASURING.append(masks)
         try:
             hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack) if measure else contextlib.nullcontext()
-            with hooks, keeping:
+            _marked(FORWARD_MARK)
+            with hooks, keeping, torch.profiler.record_function(FORWARD_MARK):
                 outputs = layer(*call_args, **call_kwargs)
         finally:
             _MEASURING.remove(masks)
@@ -816,9 +953,12 @@ def measure_unit(layer, args, kwargs, policy, timed=True, execution="compiled"):
             sizes = list(kept.values()) + [t.untyped_storage().nbytes() for t in dots] + masks
             return sum(sizes), max(sizes, default=0)
         float_outputs = [o for o in keras.tree.flatten(outputs) if isinstance(o, torch.Tensor) and o.requires_grad]
-        loss = sum(o.float().sum() for o in float_outputs)
         wanted = [t for t in inputs + weights if t.requires_grad]
-        torch.autograd.grad(loss, wanted, allow_unused=True)
+        _marked(BACKWARD_MARK)
+        with torch.profiler.record_function(BACKWARD_MARK):
+            loss = sum(o.float().sum() for o in float_outputs)
+            _autograd_grad(loss, wanted, allow_unused=True)
+        _marked(None)
         return None
 
     kept, largest = run(measure=True)
