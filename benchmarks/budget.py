@@ -21,9 +21,10 @@ Memory, per backend, of the steps after the first (which compiles):
     jax          weights, optimizer and batch (the report's resident bytes)
                  plus the temporaries XLA assigns to the compiled step: the
                  step's own peak, exact, on a CPU without allocator stats
-    torch        on a GPU the allocator's peak; on the CPU the peak of one
-                 more step from the profiler's allocation records, on top of
-                 the tensors live when it began (`_measure.torch_cpu_peak`)
+    torch        on a GPU the allocator's peak; on the CPU the peak of the
+                 second of two more steps from the profiler's allocation
+                 records, on top of the weights and optimizer slots
+                 (`_measure.torch_cpu_peak`)
 
 Usage:
     python benchmarks/budget.py --backend tensorflow
@@ -108,8 +109,8 @@ def child(args):
     if args.backend == "jax" and args.steps:
         record["xla_temp"] = _measure.xla_temp_bytes(model, ids, labels)
     if args.backend == "torch" and record["peak"] is None and args.steps:
-        variables = [v.value for v in model.variables + model.optimizer.variables]
-        live = variables + [v.grad for v in variables if v.grad is not None]  # the batch: converted within the step
+        # The gradients are in the records; the batch is converted within the step.
+        live = [v.value for v in model.variables + model.optimizer.variables]
         record["peak"] = _measure.torch_cpu_peak(lambda: model.train_on_batch(ids, labels), live)
     print(json.dumps(record))
 

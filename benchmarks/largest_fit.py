@@ -156,8 +156,7 @@ def child_step(args):
         record["peak"] = resident + _measure.xla_temp_bytes(model, inputs, labels)
         record["peak_kind"] = "resident + XLA temporaries of the compiled step"
     elif record["peak"] is None:
-        variables = [v.value for v in model.variables + model.optimizer.variables]
-        live = variables + [v.grad for v in variables if v.grad is not None]
+        live = [v.value for v in model.variables + model.optimizer.variables]  # the gradients: in the records
         record["peak"] = _measure.torch_cpu_peak(lambda: model.train_on_batch(inputs, labels), live)
         record["peak_kind"] = "PyTorch profiler's allocation records"
     else:

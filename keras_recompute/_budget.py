@@ -44,8 +44,8 @@ runs the units last to first. While it runs unit i:
     records per op, which reads a step up to one large tensor low.)
 On PyTorch, which runs eagerly, the transient is measured instead: each
 option's step of the unit is run once under the profiler (NOTE [ measuring a
-unit on PyTorch ]), and what its backward held above what the unit keeps, its
-output and its weights' gradients is the transient. Two more points are
+unit on PyTorch ]), and what its backward held above what the unit keeps and
+its weights' gradients is the transient. Two more points are
 measured there, where an eager step's Python holds what a graph frees: a
 unit's forward (`forward`: its locals, keras-hub Gemma's masked softmax holds
 its scores, the masked scores, the probabilities and the masked ones, four
@@ -53,14 +53,16 @@ tensors of the scores' size, on top of the units before it) and the loss's
 backward on the model's outputs, before any unit's (`loss`: a language
 model's logits, their log-softmax and its gradient on top of all the units
 kept). keras-hub Gemma with LoRA, 4 blocks, sequence 1024 without recompute:
-predicted 217 MiB with the count of largest tensors, measured 259 MiB.
+predicted 217 MiB with the count of largest tensors, measured 259 MiB. And
+Keras's PyTorch trainer frees the last step's gradients after the forward
+(`zero_grad`), so every forward point holds them (`forward_held`).
 Every option keeps the unit's inputs: its first layers save them, or its
 recompute starts from them.
 The optimizer's update adds its own temporaries (`update`). Adam's update of
 one variable makes about two of its size (`m * beta_1`, `sqrt(v)`; tf_keras's
 legacy Adam on an embedding's sparse gradient, Keras 3's Adam on any); Keras's
 PyTorch optimizers update every weight at once (`torch._foreach_*`), each
-operation making new tensors as large as all the weights: Adam holds four
+operation making new tensors as large as all the weights: Adam holds three
 times all the trainable bytes at its height (`_memory.TORCH_UPDATE`, measured
 per optimizer). Where Keras applies the gradients after the backward, the
 update exists only at the end. In a graph TensorFlow runs each variable's
@@ -77,8 +79,8 @@ legacy Adam) the step's peak was 45 MiB (`save_dots` on every block) and 96
 MiB (on all but the last) above the prediction without any update, and 13 MiB
 under it with SGD.
 So the peak is `resident + outside + max over i of (kept[0..i] +
-gradients[i..] + update[i] + transient[i])`, of `kept[0..i-1] + inputs[i] +
-forward[i]` (unit i's forward) and of `kept[all] + loss` (the loss's
+gradients[i..] + update[i] + transient[i])`, of `forward_held + kept[0..i-1] +
+inputs[i] + forward[i]` (unit i's forward) and of `kept[all] + loss` (the loss's
 backward), and at the very end, `resident + update + all gradients + outside`.
 That maximum over a prefix is what makes this more than a knapsack: the
 solver walks the units in order with the prefix sum as its state.
@@ -235,9 +237,15 @@ class Model:
     for a model with no optimizer yet: its slots are not in `resident` either).
     `applied_as_made`: the step applies each gradient as soon as it is made
     and frees it (a TensorFlow graph), rather than all after the backward.
+    `loss`: what the loss's backward holds on the model's outputs (measured
+    on PyTorch). `forward_held`: what the forward holds besides the units'
+    (Keras's PyTorch trainer frees the last step's gradients after the
+    forward: all the gradients there).
     """
 
-    def __init__(self, units, resident, outside, outside_gradient_bytes, update=0, applied_as_made=False, loss=0):
+    def __init__(
+        self, units, resident, outside, outside_gradient_bytes, update=0, applied_as_made=False, loss=0, forward_held=0
+    ):
         self.units = list(units)
         self.resident = int(resident)
         self.outside = int(outside)
@@ -245,11 +253,13 @@ class Model:
         self.update = int(update)
         self.applied_as_made = bool(applied_as_made)
         self.loss = int(loss)
+        self.forward_held = int(forward_held)
 
     def like(self, units):
         """A model of other units, everything else as this one."""
         return Model(
-            units, self.resident, self.outside, self.outside_gradient_bytes, self.update, self.applied_as_made, self.loss
+            units, self.resident, self.outside, self.outside_gradient_bytes, self.update, self.applied_as_made, self.loss,
+            self.forward_held,
         )
 
     def peak(self, choice):
@@ -259,7 +269,7 @@ class Model:
         kept = 0
         for index, (unit, policy) in enumerate(zip(self.units, choice)):
             option = unit.options[policy]
-            peak = max(peak, fixed + kept + unit.input_bytes + option.forward)  # its forward, where measured
+            peak = max(peak, fixed + self.forward_held + kept + unit.input_bytes + option.forward)  # its forward
             kept += option.kept
             peak = max(peak, fixed + self._held(index) + kept + option.transient)
         return max(peak, fixed + kept + self.loss)  # the loss's backward, before any unit's
@@ -342,7 +352,8 @@ def solve(model, budget, quanta=2000):
         for seconds, kept, choices in best.values():
             for policy, option in unit.options.items():
                 total = kept + option.kept
-                if total + option.transient + held > room or kept + unit.input_bytes + option.forward > room:
+                forward = model.forward_held + kept + unit.input_bytes + option.forward
+                if total + option.transient + held > room or forward > room:
                     continue
                 key = total // quantum
                 # Of plans alike in time, the one that recomputes earlier units (NOTE [ the solver ]).

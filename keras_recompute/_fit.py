@@ -27,12 +27,12 @@ The prediction is that of a plan's peak, and it errs both ways against a
 measured one: on the CPU, steps run at the answers measured 0.77-1.09x the
 prediction, one policy on every unit (docs/benchmarks.md, "The largest
 fit"). TensorFlow's executor orders a graph's ops differently from run to
-run (the same step of keras-hub Gemma peaked at 199.0 and 235.6 MiB);
-PyTorch's eager forward holds what a unit's Python code holds (a masked
-softmax's four score-sized tensors at once), which the planner, counting what
-the backward keeps and makes, does not see; and the fit of a unit's largest
-tensor, a maximum, is not a polynomial where the largest changes between the
-sizes measured (an FFN's at sequence 64, the scores' from 128 on).
+run (the same step of keras-hub Gemma peaked at 199.0 and 235.6 MiB), and
+there the fit of a unit's largest tensor, a maximum, is not a polynomial
+where the largest changes between the sizes measured (an FFN's at sequence
+64, the scores' from 128 on). PyTorch's units are measured whole, forward
+and backward (NOTE [ measuring a unit on PyTorch ]): its steps measured
+1.02-1.08x their prediction.
 An answer that runs out of
 memory costs more than one a little smaller, so by default the predicted
 peak must fit 90% of the budget (`headroom=0.1`); `headroom=0` answers
@@ -179,7 +179,7 @@ class FittedModel:
             if [unit.name for unit in model.units] != self.names or [list(u.options) for u in model.units] != self.options:
                 raise ValueError("keras_recompute: the model's units or their options differ between the sizes measured")
         fit = lambda values: polynomial(self.sizes, values, degree)  # noqa: E731
-        self._fixed = {name: fit([getattr(m, name) for m in models]) for name in ("resident", "outside", "outside_gradient_bytes", "update", "loss")}
+        self._fixed = {name: fit([getattr(m, name) for m in models]) for name in ("resident", "outside", "outside_gradient_bytes", "update", "loss", "forward_held")}
         self._applied_as_made = first.applied_as_made
         self._units = []
         for index in range(len(self.names)):
@@ -206,7 +206,7 @@ class FittedModel:
         fixed = {name: value(coefficients) for name, coefficients in self._fixed.items()}
         return _budget.Model(
             units, fixed["resident"], fixed["outside"], fixed["outside_gradient_bytes"], fixed["update"], self._applied_as_made,
-            fixed["loss"],
+            fixed["loss"], fixed["forward_held"],
         )
 
     def residual(self, peak):

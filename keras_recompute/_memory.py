@@ -327,8 +327,11 @@ def _measure(model, units, inputs, backend, execution):
         outside_gradients = max(0, _variable_bytes(model.trainable_variables) - unit_gradients)
         # A TensorFlow graph applies each gradient as it is made (NOTE [ the peak of a plan ]).
         applied_as_made = execution == COMPILED and _module_name(backend) == "tensorflow"
+        # Keras's PyTorch trainer frees the last step's gradients after the forward (`zero_grad`), not before it.
+        forward_held = unit_gradients + outside_gradients if _module_name(backend) == "torch" else 0
         return _budget.Model(
-            unit_costs, resident, outside, outside_gradients, _update_bytes(model), applied_as_made, records[_LOSS]
+            unit_costs, resident, outside, outside_gradients, _update_bytes(model), applied_as_made, records[_LOSS],
+            forward_held,
         )
     finally:
         for variable, value in zip(state, saved):
@@ -397,9 +400,10 @@ def _unit_costs(unit, measured, input_bytes, output_bytes, recompute_largest=1.0
         forward = 0
         if peaks is not None:  # measured (NOTE [ measuring a unit on PyTorch ])
             forward, _, backward = peaks
-            # The step's backward held what the unit keeps, its output (held by the measure, freed in a model's
-            # step by then) and its weights' gradients (counted apart, NOTE [ the peak of a plan ]) beside its own.
-            transient = max(0, backward - kept - output_bytes - gradient_bytes)
+            # The step's backward held what the unit keeps and its weights' gradients (counted apart, NOTE [ the
+            # peak of a plan ]) beside its own; and its output, held by the measure (freed in a model's step by
+            # then), in the place of the gradient flowing in (a sum's, made there without allocating).
+            transient = max(0, backward - kept - gradient_bytes)
         elif option == _budget.NONE:
             transient = 2 * output_bytes + 2 * largest
         else:  # what its recompute makes again, too
@@ -541,9 +545,11 @@ def _tensor_bytes(tree):
 # What Keras's PyTorch optimizers allocate in their update, in multiples of all the trainable weights' bytes:
 # they update every weight at once (`torch._foreach_*`, `TorchParallelOptimizer`), each operation making a
 # list of new tensors as large as all the weights. Measured with the profiler's allocation records, above the
-# weights, the slots and the gradients (Keras 3.15, `tests/test_budget.py::test_the_torch_update_is_measured`).
+# weights, the slots and the gradients (Keras 3.15, `tests/test_budget.py::test_the_torch_update_is_measured`;
+# one more each until 2026-11-26, when the measure counted the last step's gradients, which the trainer frees
+# after the forward, beside the new ones; SGD's update, with momentum or without, runs in place).
 TORCH_UPDATE = {
-    "SGD": 1, "Lion": 3, "Adam": 4, "AdamW": 4, "Adamax": 4, "Adagrad": 4, "Adadelta": 4, "RMSprop": 4, "Nadam": 6,
+    "SGD": 0, "Lion": 2, "Adam": 3, "AdamW": 3, "Adamax": 3, "Adagrad": 3, "Adadelta": 3, "RMSprop": 3, "Nadam": 5,
 }
 
 

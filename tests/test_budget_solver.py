@@ -138,6 +138,10 @@ def test_a_units_forward_and_the_losss_backward_are_points_of_the_step():
     assert lossy.peak(["none", "none"]) == 1000 + 50 + 200 + 400
     assert lossy.peak(["full", "full"]) == max(1000 + 50 + 40 + 400, plain.peak(["full", "full"]))
     assert lossy.like(lossy.units).loss == 400
+    # Keras's PyTorch trainer: the last step's gradients (here 30) alive through every forward.
+    held = Model(units(500), resident=1000, outside=50, outside_gradient_bytes=7, forward_held=30)
+    assert held.peak(["full", "none"]) == 1000 + 50 + 30 + 20 + 20 + 500 and held.like(held.units).forward_held == 30
+    assert solve(held, 1000 + 50 + 30 + 20 + 20 + 500) == ["full", "none"] and solve(held, 1000 + 50 + 30 + 20 + 20 + 499) is None
 
 
 def test_the_optimizer_update_is_counted_after_the_backward():

@@ -8,17 +8,20 @@ from keras_recompute import _budget, _fit
 MB = 10**6
 
 
-def model_at(size, kept_per=(4.0, 0.5), quadratic=0.0, cube=0.0, units=4):
-    """A synthetic measured model: each unit keeps `a s + q s^2 (+ c s^3)` plain, `b s` under full."""
+def model_at(size, kept_per=(4.0, 0.5), quadratic=0.0, cube=0.0, units=4, forward=0.0, loss=0.0):
+    """A synthetic measured model: each unit keeps `a s + q s^2 (+ c s^3)` plain, `b s` under full; its forward
+    holds `forward s^2` at its height, the loss's backward `loss s` (as measured on PyTorch)."""
     plain, full = kept_per
     built = []
     for index in range(units):
+        height = MB * forward * size**2
         options = {
-            "none": _budget.Option("none", MB * (plain * size + quadratic * size**2 + cube * size**3), MB * size, 0.0),
-            "full": _budget.Option("full", MB * full * size, MB * (size + plain * size + quadratic * size**2), 0.01 * size),
+            "none": _budget.Option("none", MB * (plain * size + quadratic * size**2 + cube * size**3), MB * size, 0.0, height),
+            "full": _budget.Option("full", MB * full * size, MB * (size + plain * size + quadratic * size**2), 0.01 * size, height),
         }
         built.append(_budget.UnitCosts(f"block_{index}", options, 2 * MB, MB * full * size))
-    return _budget.Model(built, resident=50 * MB + MB * size, outside=MB * 0.2 * size, outside_gradient_bytes=3 * MB, update=4 * MB)
+    return _budget.Model(built, resident=50 * MB + MB * size, outside=MB * 0.2 * size, outside_gradient_bytes=3 * MB, update=4 * MB,
+                         loss=MB * loss * size, forward_held=11 * MB if forward or loss else 0)
 
 
 def fitted(sizes, degree, **kwargs):
@@ -42,6 +45,18 @@ def test_along_the_batch_the_fitted_model_is_the_measured_one_anywhere():
         for choice in (["none"] * 4, ["full"] * 4, ["full", "none", "full", "none"]):
             assert fit.at(size).peak(choice) == pytest.approx(model_at(size).peak(choice), rel=1e-8, abs=64)
     assert fit.residual(lambda m: m.peak(["none"] * 4)) < 1e-6
+
+
+@pytest.mark.parametrize("kwargs", [{"forward": 0.02}, {"loss": 40.0}])
+def test_a_forwards_height_and_the_losss_backward_are_fitted(kwargs):
+    """Measured on PyTorch (NOTE [ the peak of a plan ]): where they are the peak, the fit follows them."""
+    fit = fitted([64, 128, 192, 256], 2, **kwargs)
+    for size in (100, 1000):
+        for choice in (["none"] * 4, ["full"] * 4):
+            measured = model_at(size, **kwargs)
+            assert fit.at(size).peak(choice) == pytest.approx(measured.peak(choice), rel=1e-8, abs=64)
+    plain = model_at(1000)
+    assert model_at(1000, **kwargs).peak(["full"] * 4) > plain.peak(["full"] * 4)  # the point is the peak
 
 
 def test_along_the_sequence_a_quadratic_is_followed():
