@@ -71,8 +71,20 @@ print(json.dumps({"peak": tf.config.experimental.get_memory_info("CPU:0")["peak"
 """
 
 
+# Where each backward runs in a thread of its own on the CPU (KERAS_RECOMPUTE_TESTS_BACKWARD_THREAD, tests/conftest.py),
+# the profiler, which records only the thread it started in, misses what the backward frees: two steps then read
+# 1.8x what one holds. A GPU's allocator counts every thread (`_measure.torch_step_peak`).
+PROFILER_MISSES_THE_BACKWARD = (
+    BACKEND == "torch" and os.environ.get("KERAS_RECOMPUTE_TESTS_BACKWARD_THREAD") == "1"
+    and not __import__("torch").cuda.is_available()
+)
+_MISSES = "the profiler records only its own thread's allocations, and each backward runs in another"
+
+
 def measured_peak(axis, policy, size, env=None):
     """The peak of a training step at `size`, as this backend keeps it on the CPU."""
+    if PROFILER_MISSES_THE_BACKWARD:
+        pytest.skip(_MISSES)
     x = make_batch(size) if axis == "batch" else make_sequence(size)
     labels = np.zeros(len(x), "int32")
     if BACKEND == "tensorflow":
@@ -189,6 +201,7 @@ def causal_model(blocks=4):
 
 
 @pytest.mark.skipif(BACKEND != "torch", reason="PyTorch's count of a recompute's score-sized temporaries")
+@pytest.mark.skipif(PROFILER_MISSES_THE_BACKWARD, reason=_MISSES)
 def test_a_causal_model_without_dropout_fits_along_the_sequence():
     """On PyTorch each block's forward and backward are measured (NOTE [ measuring a unit on PyTorch ]): its
     masked softmax's temporaries, which no count of largest tensors matched (one under-predicted keras-hub
