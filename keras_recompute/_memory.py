@@ -310,7 +310,7 @@ def _measure(model, units, inputs, backend, execution):
     state = [v for v in model.variables if not _trainable(v)]
     saved = [_numpy(v) for v in state]
     try:
-        records = _record(model, units, inputs, backend)
+        records, loss = _record(model, units, inputs, backend)
         costs_by_kind, unit_costs = {}, []
         for unit in units:
             args, kwargs, sizes = records[id(unit)]
@@ -330,7 +330,7 @@ def _measure(model, units, inputs, backend, execution):
         # Keras's PyTorch trainer frees the last step's gradients after the forward (`zero_grad`), not before it.
         forward_held = unit_gradients + outside_gradients if _module_name(backend) == "torch" else 0
         return _budget.Model(
-            unit_costs, resident, outside, outside_gradients, _update_bytes(model), applied_as_made, records[_LOSS],
+            unit_costs, resident, outside, outside_gradients, _update_bytes(model), applied_as_made, loss,
             forward_held,
         )
     finally:
@@ -415,13 +415,10 @@ def _unit_costs(unit, measured, input_bytes, output_bytes, recompute_largest=1.0
     return _budget.UnitCosts(unit_name(unit), options, gradient_bytes, input_bytes, update)
 
 
-_LOSS = "loss"  # in `_record`'s answer: what a loss's backward holds on the model's outputs
-
-
 def _record(model, units, inputs, backend):
-    """`{id(unit): (args, kwargs, (input_bytes, output_bytes))}` from one training-mode forward of `model`.
+    """`({id(unit): (args, kwargs, (input_bytes, output_bytes))}, loss)` from one training-mode forward of `model`.
 
-    And under `_LOSS`, what a loss's backward holds on its outputs, where it is measured (else 0).
+    `loss`: what a loss's backward holds on its outputs, where it is measured (else 0).
     """
     records = {}
     with contextlib.ExitStack() as stack:
@@ -429,16 +426,14 @@ def _record(model, units, inputs, backend):
             stack.enter_context(_context.instance_attribute(unit, "call", _recorder(unit, unit.call, records)))
         with _no_gradient(backend):
             outputs = model(inputs, training=True)
-    # Where a step's allocations can be read (PyTorch), what the loss's backward holds on the outputs.
-    records[_LOSS] = backend.loss_peak(outputs) if hasattr(backend, "loss_peak") else 0
-    del outputs
     missing = [unit_name(unit) for unit in units if id(unit) not in records]
     if missing:
         raise ValueError(
             f"keras_recompute: a forward of {model.name!r} on `inputs` did not call the units {missing}: "
             "pass inputs= as the model takes them in training."
         )
-    return records
+    # Where a step's allocations can be read (PyTorch), what the loss's backward holds on the outputs.
+    return records, backend.loss_peak(outputs) if hasattr(backend, "loss_peak") else 0
 
 
 def _recorder(unit, call, records):

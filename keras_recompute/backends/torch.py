@@ -31,8 +31,10 @@ the recomputed tensors) and adds a check of the values: see NOTE [ the
 recompute check on PyTorch ]. `check=False` turns both off.
 """
 
+import bisect
 import contextlib
 import inspect
+import itertools
 import threading
 import weakref
 
@@ -379,20 +381,15 @@ def allocation_trace(step, marks=()):
     records = sorted(
         (e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]" and e.device_type() == device
     )
-    starts = {e.name(): e.start_ns() for e in events if e.name() in marks}
-    running, total = [], 0
-    for _, size in records:
-        total += size
-        running.append(total)
-    at_marks = {name: sum(1 for when, _ in records if when < start) for name, start in starts.items()}
+    times = [when for when, _ in records]
+    running = list(itertools.accumulate(size for _, size in records))
+    at_marks = {e.name(): bisect.bisect_left(times, e.start_ns()) for e in events if e.name() in marks}
     return running, at_marks
 
 
 def offload_frees_device_memory():
     """Whether offloaded bytes leave the device's memory: not on a CPU, whose host memory it is."""
-    from keras.src.backend.torch.core import get_device
-
-    return str(get_device()).split(":")[0] != "cpu"
+    return str(_device()).split(":")[0] != "cpu"
 
 
 # NOTE [ save_dots on PyTorch ]
@@ -808,6 +805,14 @@ def _marked(name):
         listener(name)
 
 
+@contextlib.contextmanager
+def _phase(name):
+    """A phase of a measured step, marked for the profiler (`allocation_trace`) and for `_cuda_step_peaks`."""
+    _marked(name)
+    with torch.profiler.record_function(name):
+        yield
+
+
 def step_peaks(step):
     """What a measured unit's `step` (from `measure_unit`) holds, from its allocations (NOTE [ measuring a unit on PyTorch ]).
 
@@ -840,11 +845,9 @@ def loss_peak(outputs):
     copies = [o.detach().clone().requires_grad_(True) for o in leaves]
 
     def step():
-        _marked(FORWARD_MARK)
-        with torch.profiler.record_function(FORWARD_MARK):
+        with _phase(FORWARD_MARK):
             pass
-        _marked(BACKWARD_MARK)
-        with torch.profiler.record_function(BACKWARD_MARK):
+        with _phase(BACKWARD_MARK):
             loss = 0
             for output in copies:
                 output = output.float()
@@ -943,8 +946,7 @@ def measure_unit(layer, args, kwargs, policy, timed=True, execution="compiled"):
         _MEASURING.append(masks)
         try:
             hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack) if measure else contextlib.nullcontext()
-            _marked(FORWARD_MARK)
-            with hooks, keeping, torch.profiler.record_function(FORWARD_MARK):
+            with _phase(FORWARD_MARK), hooks, keeping:
                 outputs = layer(*call_args, **call_kwargs)
         finally:
             _MEASURING.remove(masks)
@@ -954,8 +956,7 @@ def measure_unit(layer, args, kwargs, policy, timed=True, execution="compiled"):
             return sum(sizes), max(sizes, default=0)
         float_outputs = [o for o in keras.tree.flatten(outputs) if isinstance(o, torch.Tensor) and o.requires_grad]
         wanted = [t for t in inputs + weights if t.requires_grad]
-        _marked(BACKWARD_MARK)
-        with torch.profiler.record_function(BACKWARD_MARK):
+        with _phase(BACKWARD_MARK):
             loss = sum(o.float().sum() for o in float_outputs)
             _autograd_grad(loss, wanted, allow_unused=True)
         _marked(None)
