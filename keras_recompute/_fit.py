@@ -30,7 +30,11 @@ fit"). TensorFlow's executor orders a graph's ops differently from run to
 run (the same step of keras-hub Gemma peaked at 199.0 and 235.6 MiB), and
 there the fit of a unit's largest tensor, a maximum, is not a polynomial
 where the largest changes between the sizes measured (an FFN's at sequence
-64, the scores' from 128 on). PyTorch's units are measured whole, forward
+64, the scores' from 128 on). The 0.77x is `attention_core` on TensorFlow:
+each unit's kept bytes are the graph's tensors its gradient reads, and the
+run kept less (read in order: `benchmarks/tf_memory_timeline.py`): the
+attention mask each block makes from the same padding mask once for all,
+and Grappler's rewrites. PyTorch's units are measured whole, forward
 and backward (NOTE [ measuring a unit on PyTorch ]): its steps measured
 1.02-1.08x their prediction.
 An answer that runs out of

@@ -368,6 +368,16 @@ def largest_fit(
     batches = _fit.checked_inputs(make_inputs, sizes, axis, _flatten)
     units, pieces, execution, reason = _measuring_setup(model, blocks, execution, offload, "largest_fit")
     with pieces.measuring() if pieces is not None else contextlib.nullcontext():
+        # Below what stays resident at the smallest size, no plan fits: said before anything is compiled.
+        resident = [_memory.costs(model, units, inputs, execution)[0].resident for inputs in batches]
+        least = _fit._evaluate(_fit.polynomial(sizes, resident, _fit.DEGREES[axis]), multiple_of)
+        if usable < least:
+            raise ValueError(
+                f"keras_recompute: largest_fit(budget={budget!r})"
+                + (f", less its headroom ({headroom:.0%}: {_budget.format_bytes(usable)})," if headroom else "")
+                + f" is below the least peak any plan reaches at {axis} {multiple_of}: the weights, optimizer and "
+                f"inputs alone take {_budget.format_bytes(least)}. Allow more memory, or use a smaller model."
+            )
         measured = [_calibrated_costs(model, units, inputs, execution, offload) for inputs in batches]
         fitted = _fit.FittedModel(sizes, measured, _fit.DEGREES[axis])
         rows = _fit.fit_rows(fitted, usable, options, plan, limit, multiple_of)
@@ -576,6 +586,14 @@ def _planned_policies(model, units, budget, inputs, execution, offload=False):
     plain = [_budget.NONE] * len(units)
     if kind == "fraction" and value >= 1.0:
         return plain  # all the activations may stay: nothing to measure
+    if kind == "bytes":
+        resident = _memory.costs(model, units, inputs, execution)[0].resident
+        if value < resident:  # no plan fits: said before anything is compiled
+            raise ValueError(
+                f"keras_recompute: recompute_model(budget={budget!r}) is below the least peak any plan reaches "
+                f"for this batch: the weights, optimizer and batch alone take {_budget.format_bytes(resident)}. "
+                "Train with a smaller batch, or allow more memory."
+            )
     costs = _calibrated_costs(model, units, inputs, execution, offload)
     if kind == "fraction":
         value = costs.peak(plain) - (1.0 - value) * costs.activation_bytes(plain)

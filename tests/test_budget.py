@@ -344,9 +344,14 @@ def test_the_report_of_a_plan_the_switch_keeps_off_says_so():
         ({"budget": 1000, "inputs": X, "segments": 2}, ValueError, "below the least peak"),
     ],
 )
-def test_bad_budgets_say_what_and_how(arguments, error, match):
+def test_bad_budgets_say_what_and_how(arguments, error, match, monkeypatch):
     model = blocks_model()
     recompute_model(model, limit=1)
+
+    def compiled(*args):  # a budget below what stays resident needs no step compiled to be refused (JAX)
+        raise AssertionError("a bad budget compiled a step")
+
+    monkeypatch.setattr(_model, "_compiled_peak_of", compiled)
     with pytest.raises(error, match=match):
         recompute_model(model, **arguments)
     assert _model.recomputed_units(model) == ["block_0"]  # the earlier plan stays
@@ -567,9 +572,12 @@ def test_the_compiled_step_is_measured_as_keras_runs_it(policy):
     model.train_on_batch(x, labels)
     state = tuple([v.value for v in variables] for variables in (
         model.trainable_variables, model.non_trainable_variables, model.optimizer.variables, model.metrics_variables))
-    keras_step = jax.jit(model.train_step, donate_argnums=0).lower(state, (x, labels)).compile()
-    expected = keras_step.memory_analysis().temp_size_in_bytes
+    lowered = jax.jit(model.train_step, donate_argnums=0).lower(state, (x, labels))
+    expected = lowered.compile().memory_analysis().temp_size_in_bytes
     assert jax_backend.step_bytes(model, x) == pytest.approx(expected, rel=0.02)
+    # Compiled for its memory alone (the code unoptimized), the same program states the same bytes, to the byte.
+    unoptimized = lowered.compile(compiler_options=jax_backend.MEMORY_ONLY)  # the option is taken, not fallen back from
+    assert unoptimized.memory_analysis().temp_size_in_bytes == expected
 
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="the allocator's peak: TensorFlow's BFC allocator on the CPU")
