@@ -49,7 +49,7 @@ def scope(op):
 
 
 def memory_events(logdir):
-    """The BFC allocator's events of the profiled run, in time order: `(kind, stats)`."""
+    """`(allocator, events)`: the profiled run's allocations and frees, `(kind, stats)` in time order, of one allocator."""
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
     space = xplane_pb2.XSpace()
@@ -70,7 +70,13 @@ def memory_events(logdir):
                     values[stats.get(stat.metadata_id)] = stat.str_value or named or stat.int64_value or stat.uint64_value
                 events.append((line.timestamp_ns * 1000 + event.offset_ps, kind, values))
     events.sort(key=lambda event: event[0])
-    return [(kind, values) for _, kind, values in events]
+    # One allocator's events (each counts its own bytes): the one that held the most (a GPU's, beside the host's).
+    highest = collections.Counter()
+    for _, _, values in events:
+        name = values.get("allocator_name")
+        highest[name] = max(highest[name], values.get("bytes_allocated", 0))
+    allocator = highest.most_common(1)[0][0] if highest else None
+    return allocator, [(kind, values) for _, kind, values in events if values.get("allocator_name") == allocator]
 
 
 def timeline(events):
@@ -122,10 +128,11 @@ def main(argv=None):
     tf.profiler.experimental.start(logdir, options=tf.profiler.experimental.ProfilerOptions(host_tracer_level=3))
     model.train_on_batch(inputs, labels)
     tf.profiler.experimental.stop()
-    result = timeline(memory_events(logdir))
-    result["allocator_peak"] = _measure.peak("tensorflow")
+    allocator, events = memory_events(logdir)
+    result = timeline(events)
+    result["allocator"], result["allocator_peak"] = allocator, _measure.peak("tensorflow")
     print(f"{args.model} at {args.at}, {args.option}: the step peaked at {result['peak'] / MiB:.1f} MiB "
-          f"(allocator: {result['allocator_peak'] / MiB:.1f}), running {result['op_at_peak']}")
+          f"(the allocator's own peak: {result['allocator_peak'] / MiB:.1f}; {allocator}), running {result['op_at_peak']}")
     print(f"  allocated before the step (weights, slots, inputs): {result['allocated_before_the_step'] / MiB:.1f} MiB")
     print("  alive at the peak, by scope:")
     for key, value in result["alive_at_peak_by_scope"].items():
