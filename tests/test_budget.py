@@ -330,6 +330,15 @@ def test_the_report_of_a_plan_the_switch_keeps_off_says_so():
     assert report.floor <= report.plain_peak and planned_with_switch_on.floor <= planned_with_switch_on.plain_peak
 
 
+def refuse_compiles(monkeypatch):
+    """From here on in the test, any step compiled for its peak (JAX's check of a plan) fails it."""
+
+    def compiled(*args):
+        raise AssertionError("a step was compiled for its peak")
+
+    monkeypatch.setattr(_model, "_compiled_peak_of", compiled)
+
+
 @pytest.mark.parametrize(
     "arguments, error, match",
     [
@@ -347,11 +356,7 @@ def test_the_report_of_a_plan_the_switch_keeps_off_says_so():
 def test_bad_budgets_say_what_and_how(arguments, error, match, monkeypatch):
     model = blocks_model()
     recompute_model(model, limit=1)
-
-    def compiled(*args):  # a budget below what stays resident needs no step compiled to be refused (JAX)
-        raise AssertionError("a bad budget compiled a step")
-
-    monkeypatch.setattr(_model, "_compiled_peak_of", compiled)
+    refuse_compiles(monkeypatch)  # a budget below what stays resident needs no step compiled to be refused (JAX)
     with pytest.raises(error, match=match):
         recompute_model(model, **arguments)
     assert _model.recomputed_units(model) == ["block_0"]  # the earlier plan stays

@@ -19,7 +19,7 @@ import keras
 import numpy as np
 import pytest
 
-from test_budget import blocks_model
+from test_budget import blocks_model, refuse_compiles
 from keras_recompute import FitReport, largest_fit, recompute_model
 
 BACKEND = keras.backend.backend()
@@ -265,12 +265,7 @@ def test_the_allocation_trace_reads_a_steps_peak_as_the_resident_memory_rises():
 
 
 def test_the_budget_below_any_plan_says_how_low_it_is(monkeypatch):
-    from keras_recompute import _model
-
-    def compiled(*args):  # below what stays resident, nothing need be compiled to say so (JAX)
-        raise AssertionError("a budget below the resident bytes compiled a step")
-
-    monkeypatch.setattr(_model, "_compiled_peak_of", compiled)
+    refuse_compiles(monkeypatch)  # below what stays resident, nothing need be compiled to say so (JAX)
     with pytest.raises(ValueError, match=r"below the least peak any plan reaches at batch 1: .*MB"):
         largest_fit(sequence_model(), "1MB", make_batch, options=["none", "full"])
 
