@@ -197,12 +197,12 @@ class CausalBlock(keras.layers.Layer):
         return hidden + self.down(self.up(hidden))
 
 
-def causal_model(blocks=4):
+def causal_model(blocks=4, block=CausalBlock):
     keras.utils.set_random_seed(0)
     inputs = keras.Input((None, WIDTH))
     hidden = keras.layers.Dense(WIDTH, name="stem")(inputs)
     for i in range(blocks):
-        hidden = CausalBlock(name=f"block_{i}")(hidden)
+        hidden = block(name=f"block_{i}")(hidden)
     model = keras.Model(inputs, keras.layers.Dense(3, name="head")(keras.layers.GlobalAveragePooling1D()(hidden)))
     model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return model
@@ -252,13 +252,7 @@ def test_a_recomputed_units_measured_backward_is_where_its_step_peaks():
     read short (halved: predicted 0.80x the step) would put the prediction at the forward's point, under the step."""
     import _measure
 
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((None, WIDTH))
-    hidden = keras.layers.Dense(WIDTH, name="stem")(inputs)
-    for i in range(2):
-        hidden = FeedForward(name=f"block_{i}")(hidden)
-    model = keras.Model(inputs, keras.layers.Dense(3, name="head")(keras.layers.GlobalAveragePooling1D()(hidden)))
-    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model = causal_model(blocks=2, block=FeedForward)
     x, labels = make_batch(16), np.zeros(16, "int32")
     from keras_recompute import _model
 
