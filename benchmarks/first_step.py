@@ -20,6 +20,14 @@ plain step with full-precision float32 matmuls: its difference from `none` is
 what TF32 itself costs, the yardstick for a policy's difference there.
 `--matmul-precision highest` runs every row that way (as the tests do).
 
+In mixed_bfloat16 XLA on a GPU keeps a bfloat16 intermediate in float32 inside
+a fusion ("excess precision") and rounds it where it is written to memory: a
+program fused otherwise rounds elsewhere. The `none_strict` row (JAX on a GPU,
+mixed_bfloat16) is the plain step with `--xla_allow_excess_precision=false`,
+every bfloat16 result rounded: what the fusion's choices cost plain.
+`--excess-precision off` runs every row that way; if the policies' difference
+is that rounding, it falls there to plain's spread.
+
 Usage:
     python benchmarks/first_step.py --backend torch                     # float32
     python benchmarks/first_step.py --backend jax --dtype mixed_bfloat16
@@ -36,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _measure  # noqa: E402
 import backends  # noqa: E402
 
-METHODS = ("none", "none_again", "none_highest", "ours", "save_dots", "attention_core", "offload")
+METHODS = ("none", "none_again", "none_highest", "none_strict", "ours", "save_dots", "attention_core", "offload")
 
 
 def parse_args(argv=None):
@@ -53,6 +61,7 @@ def parse_args(argv=None):
     parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument("--methods", nargs="+", choices=METHODS, help="default: all that apply (offload, none_highest: JAX and PyTorch, JAX on a GPU)")
     parser.add_argument("--matmul-precision", choices=("default", "highest"), default="default", help="JAX's float32 matmuls (default: TF32 on a GPU)")
+    parser.add_argument("--excess-precision", choices=("default", "off"), default="default", help="off: XLA rounds every bfloat16 result (JAX)")
     parser.add_argument("--out", help="also write the results as JSON to this file")
     parser.add_argument("--child", nargs=2, metavar=("METHOD", "NPZ"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -60,15 +69,23 @@ def parse_args(argv=None):
 
 
 def _default_methods(args, platform):
-    """All that apply: offload not on TensorFlow; `none_highest` where JAX multiplies float32 in TF32 (a GPU)."""
-    tf32 = args.backend == "jax" and platform == "gpu" and args.dtype == "float32" and args.matmul_precision == "default"
-    return [m for m in METHODS if (m != "offload" or args.backend != "tensorflow") and (m != "none_highest" or tf32)]
+    """All that apply: offload not on TensorFlow; `none_highest` where JAX multiplies float32 in TF32 (a GPU);
+    `none_strict` where it keeps bfloat16 in float32 inside fusions (a GPU, mixed_bfloat16)."""
+    gpu = args.backend == "jax" and platform == "gpu"
+    tf32 = gpu and args.dtype == "float32" and args.matmul_precision == "default"
+    excess = gpu and args.dtype == "mixed_bfloat16" and args.excess_precision == "default"
+    return [
+        m for m in METHODS
+        if (m != "offload" or args.backend != "tensorflow") and (m != "none_highest" or tf32) and (m != "none_strict" or excess)
+    ]
 
 
 def _child_env(args, method):
     env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     if args.matmul_precision == "highest" or method == "none_highest":
         env["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"
+    if args.excess_precision == "off" or method == "none_strict":
+        env["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_allow_excess_precision=false").strip()
     return env
 
 
@@ -112,7 +129,8 @@ def main(argv=None):
         args.methods = _default_methods(args, platform)
     print(f"first-step gradients: Keras 3 on {args.backend} ({platform}), {args.dtype}, {args.blocks} blocks x "
           f"hidden {args.hidden}, seq {args.seq}, batch {args.batch}, dropout {args.dropout}, SGD lr=1"
-          + (", float32 matmuls at full precision" if args.matmul_precision == "highest" else ""), flush=True)
+          + (", float32 matmuls at full precision" if args.matmul_precision == "highest" else "")
+          + (", every bfloat16 result rounded (no excess precision)" if args.excess_precision == "off" else ""), flush=True)
     script = os.path.abspath(__file__)
     sizes = []
     for name in ("blocks", "hidden", "heads", "ffn", "seq", "batch", "vocab", "dropout", "dtype"):

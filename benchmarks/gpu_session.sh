@@ -31,11 +31,16 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false
 # One compile of each program per call: the benchmarks' children and the suite's workers compile the same XLA
 # programs again (the first H200 call's JAX BERT-base child printed no row in 192 s).
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jax_cache} JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
+# They run side by side (each its own process and log; GPU_SESSION_FIRST_SECONDS bounds each), then the rest.
+n=0
 for item in ${GPU_SESSION_FIRST-}; do
   IFS=: read -r backend test <<<"$item"
-  KERAS_BACKEND=$backend KERAS_RECOMPUTE_TESTS_FAILURES="$work/failures_first.log" timeout -k 10 120 \
-    python3 -m pytest "$test" -v -p no:cacheprovider >>"$work/suite_first.log" 2>&1
+  n=$((n + 1))
+  KERAS_BACKEND=$backend KERAS_RECOMPUTE_TESTS_FAILURES="$work/failures_first_$n.log" \
+    timeout -k 10 "${GPU_SESSION_FIRST_SECONDS:-150}" \
+    python3 -m pytest "$test" -v -p no:cacheprovider >"$work/suite_first_$n.log" 2>&1 &
 done
+wait
 [ -n "${GPU_SESSION_FIRST-}" ] && keep
 lanes=${GPU_SESSION_LANES-"jax:9 torch:5"}  # backend:workers; "" skips the suite
 for lane in $lanes; do
@@ -48,11 +53,16 @@ first_step() {
   shift
   timeout -k 10 "$phase_a" python3 benchmarks/first_step.py "$@" --out "$work/$name.json" >"$work/$name.log" 2>&1
 }
-exact_list=${GPU_SESSION_EXACT-"jax:float32 jax:float32:highest jax:mixed_bfloat16 torch:float32 torch:mixed_bfloat16"}
-for item in $exact_list; do  # backend:dtype[:highest], the first-step exactness runs; "" skips them
+exact_list=${GPU_SESSION_EXACT-"jax:float32 jax:float32:highest jax:mixed_bfloat16 jax:mixed_bfloat16:strict torch:float32 torch:mixed_bfloat16"}
+for item in $exact_list; do  # backend:dtype[:highest|:strict], the first-step exactness runs; "" skips them
   IFS=: read -r backend dtype precision <<<"$item"
-  first_step "first_step_${backend}_${dtype}${precision:+_$precision}" --backend "$backend" --dtype "$dtype" \
-    ${precision:+--matmul-precision "$precision"} &
+  case "$precision" in
+    highest) flags="--matmul-precision highest" ;;
+    strict) flags="--excess-precision off" ;;
+    *) flags="" ;;
+  esac
+  # shellcheck disable=SC2086
+  first_step "first_step_${backend}_${dtype}${precision:+_$precision}" --backend "$backend" --dtype "$dtype" $flags &
 done
 # Issue 39 step 4 (memory only, so it may share the GPU): keras-hub BERT-base at seq 512, the largest batch
 # predicted for a 16 GiB budget per option, then a step there and one above (the device allocator's peak).

@@ -240,11 +240,15 @@ class Model:
     `loss`: what the loss's backward holds on the model's outputs (measured
     on PyTorch). `forward_held`: what the forward holds besides the units'
     (Keras's PyTorch trainer frees the last step's gradients after the
-    forward: all the gradients there).
+    forward: all the gradients there). `scratch`: what the compiled step holds
+    whatever its size (NOTE [ the compiler's scratch ] in `backends/jax.py`:
+    a GPU's matrix-product workspace; 0 on a CPU and where nothing is
+    compiled).
     """
 
     def __init__(
-        self, units, resident, outside, outside_gradient_bytes, update=0, applied_as_made=False, loss=0, forward_held=0
+        self, units, resident, outside, outside_gradient_bytes, update=0, applied_as_made=False, loss=0, forward_held=0,
+        scratch=0,
     ):
         self.units = list(units)
         self.resident = int(resident)
@@ -254,12 +258,13 @@ class Model:
         self.applied_as_made = bool(applied_as_made)
         self.loss = int(loss)
         self.forward_held = int(forward_held)
+        self.scratch = int(scratch)
 
-    def like(self, units):
-        """A model of other units, everything else as this one."""
+    def like(self, units, scratch=None):
+        """A model of other units (and `scratch`, where given), everything else as this one."""
         return Model(
             units, self.resident, self.outside, self.outside_gradient_bytes, self.update, self.applied_as_made, self.loss,
-            self.forward_held,
+            self.forward_held, self.scratch if scratch is None else scratch,
         )
 
     def peak(self, choice):
@@ -313,8 +318,8 @@ class Model:
         return sum(u.gradient_bytes for u in self.units[index:index + 2])
 
     def _fixed(self):
-        """What every point of the step holds whatever the plan: resident, outside."""
-        return self.resident + self.outside
+        """What every point of the step holds whatever the plan: resident, outside, the compiler's scratch."""
+        return self.resident + self.outside + self.scratch
 
     def floor(self):
         """The least peak any plan reaches, to 0.1% (the solver, bisected over budgets)."""

@@ -128,6 +128,7 @@ def report(model, units, inputs, current, execution=None, offload=False):
     execution, reason = execution_of(model, execution, "memory_report")
     measured, seconds = costs(model, units, inputs, execution)
     measured, offload_line = with_offload(model, measured, offload)
+    measured = measured.like(measured.units, scratch=compiler_scratch(model, execution))  # in the compiler's figure too
     rows = []
     for unit, unit_costs, policy in zip(units, measured.units, current):
         options = unit_costs.options
@@ -213,6 +214,13 @@ def execution_of(model, execution, where):
 def states_compiled_peak(model, execution=COMPILED):
     """Whether `compiled_peak` gives a figure for `model`'s step under `execution` (compiled, on JAX)."""
     return execution == COMPILED and hasattr(_measuring_backend(model), "step_bytes")
+
+
+def compiler_scratch(model, execution=COMPILED):
+    """What `model`'s compiled step holds whatever its size (NOTE [ the compiler's scratch ] in `backends/jax.py`), or 0."""
+    if not states_compiled_peak(model, execution):
+        return 0
+    return getattr(_measuring_backend(model), "compiler_scratch_bytes", lambda: 0)()
 
 
 def resident_bytes(model, inputs):

@@ -691,8 +691,10 @@ def _calibrated(model, units, inputs, costs, execution, offload=False):
     one factor that makes the plan's predicted peak the compiler's (XLA keeps
     that fraction of what the autodiff says, for that option). A scale, not
     a shift: it stays smooth in the size, where a shift clamped at 0 bent the
-    fitted curves along the sequence. Every uniform plan's predicted peak is
-    then the compiler's; a mixed plan's is
+    fitted curves along the sequence. What every compiled step holds whatever
+    its size (a GPU's matrix-product workspace: NOTE [ the compiler's scratch ]
+    in `backends/jax.py`) is no unit's: it is counted once, outside the scale.
+    Every uniform plan's predicted peak is then the compiler's; a mixed plan's is
     interpolated between them, and checked by compiling it
     (`_planned_policies`, `largest_fit`).
     """
@@ -704,12 +706,17 @@ def _calibrated(model, units, inputs, costs, execution, offload=False):
         return cached
     count = len(units)
     uniform = [o for o in costs.units[0].options if all(o in unit.options for unit in costs.units)]
-    scales = {}
+    actuals = {}
     for option in uniform:
-        choice = [option] * count
-        actual = _compiled_peak_of(model, units, choice, inputs, costs, execution, offload)
-        if actual is None:
+        actuals[option] = _compiled_peak_of(model, units, [option] * count, inputs, costs, execution, offload)
+        if actuals[option] is None:
             return costs
+    # The scratch is held once, not scaled; never more than a uniform step holds above its units' least bytes.
+    room = min(actual - _scaled(costs, {option: 0.0}).peak([option] * count) for option, actual in actuals.items())
+    costs = costs.like(costs.units, scratch=max(0, min(_memory.compiler_scratch(model, execution), room)))
+    scales = {}
+    for option, actual in actuals.items():
+        choice = [option] * count
         peak = lambda scale, option=option, choice=choice: _scaled(costs, {option: scale}).peak(choice)  # noqa: E731
         low, high = 0.0, 1.0
         while peak(high) < actual and high < 1e6:

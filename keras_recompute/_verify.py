@@ -43,7 +43,7 @@ import time
 
 import numpy as np
 
-from keras_recompute import _budget, _context, _model
+from keras_recompute import _budget, _context, _memory, _model
 
 _REASSOCIATION = 1e-5  # of the largest update: what reordering float sums moves (tests/_compare.py)
 
@@ -121,6 +121,9 @@ def verify(
         plain_run = _Runs(_compiled_with_sgd(model, keras_module), keras_module, state, x, y, seed)
         initial = [np.asarray(w, np.float64) for w in model.get_weights()]
         error, plain_updates = plain_run.updates(plain_trials, initial)
+        plain_figure = None  # the compiler's peak of the plain step, where one states it (JAX): as the recomputed one's
+        if memory and plain_run.peak is None:
+            plain_figure = _memory.compiled_peak(model, x, None, _memory.execution_of(model, None, "verify")[0])
         _model.recompute_model(
             model,
             blocks,
@@ -147,7 +150,8 @@ def verify(
             error, plain_run, recomputed_run,
         )
         if predicted is not None and report.plain_peak is None:
-            report.plain_peak, report.recomputed_peak = predicted.plain_peak, predicted.predicted_peak
+            report.plain_peak = plain_figure if plain_figure is not None else predicted.plain_peak
+            report.recomputed_peak = predicted.predicted_peak
             report.peak_source = "predicted by memory_report"
         return report
 

@@ -143,7 +143,7 @@ def test_the_predicted_largest_size_fits_and_the_next_does_not(axis):
     report = largest_fit(model, budget, make, axis=axis, sizes=sizes, options=["none", "full"], headroom=0)
     assert isinstance(report, FitReport) and "largest" in str(report)
     none, full = report.largest("none"), report.largest("full")
-    assert 8 < none < full, str(report)
+    assert none is not None and full is not None and 8 < none < full, str(report)
     assert report.largest("plan") >= full, str(report)
     safe = largest_fit(model, budget, make, axis=axis, sizes=sizes, options=["none", "full"], plan=False)
     assert "10% of it kept" in str(safe)
@@ -297,7 +297,8 @@ def test_the_allocation_trace_reads_a_steps_peak_as_the_resident_memory_rises():
     op's net at its start, before its children allocate) the same records read 0.959x (and 46 MiB, one score
     tensor, under this reading at sequence 1792). Allocated pages the step never writes are not resident."""
     pytest.importorskip("keras_hub")
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", KERAS_BACKEND="torch")
+    # On the CPU: a GPU's step leaves the resident memory where it was (the H200's run: a rise of 28 KB).
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", KERAS_BACKEND="torch", CUDA_VISIBLE_DEVICES="")
     done = subprocess.run([sys.executable, "-c", _RSS_CHILD, os.path.join(os.path.dirname(HERE), "benchmarks")],
                           env=env, capture_output=True, text=True, check=True)
     figures = json.loads(done.stdout.strip().splitlines()[-1])

@@ -482,6 +482,32 @@ def compiled_for_memory(lowered):
         return lowered.compile()
 
 
+def compiler_scratch_bytes():
+    """The temporary bytes XLA assigns to a program of one matrix product on the default device, whatever its size.
+
+    NOTE [ the compiler's scratch ]
+    On a GPU, XLA gives a program's matrix products a workspace (cuBLAS's),
+    one buffer of a fixed size, in the program's temporaries: a step's
+    `step_bytes` hold it at any batch. On the H200 (2026-11-27), tiny test
+    models whose units keep 1.9 MB compiled to steps of 35-36 MB; the CPU
+    assigns nothing (0 here). Calibrated as a scale of the units' bytes, that
+    constant inflated every unit's bytes about 15x, and a budget of 0.75 of the
+    activations was refused as below any plan. It is counted once instead:
+    held at every point of the step, like the weights
+    (`_budget.Model.scratch`). Measured here from a program of one product
+    (the workspace's size does not depend on the product's), once per device.
+    """
+    return _scratch_on(jax.devices()[0].platform)
+
+
+@functools.lru_cache(maxsize=None)
+def _scratch_on(platform):
+    del platform  # the cache's key: the figure is the default device's
+    operand = jax.ShapeDtypeStruct((128, 128), jnp.float32)
+    compiled = compiled_for_memory(jax.jit(lambda a, b: a @ b).lower(operand, operand))
+    return int(compiled.memory_analysis().temp_size_in_bytes)
+
+
 def _stand_in_loss(outputs):
     """A loss whose gradient costs what a training loss's does: a cross-entropy's over classes, else a square's."""
     if outputs.ndim >= 2 and outputs.shape[-1] > 1:
