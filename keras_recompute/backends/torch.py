@@ -889,7 +889,7 @@ def _cuda_step_peaks(step):
 def _blas_workspaces(device):
     """Has cuBLAS make its workspaces on `device` before anything is measured there, once.
 
-    PyTorch allocates a workspace (32 MiB on a Hopper GPU) through its caching
+    PyTorch allocates cuBLAS's workspace (MiBs; most on a Hopper GPU) through its caching
     allocator at a thread's first matrix product, and autograd's device thread
     is a thread of its own: the first unit measured in a process counted its
     forward's and its backward's workspaces, which every later step has
