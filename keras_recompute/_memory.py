@@ -220,7 +220,7 @@ def compiler_scratch(model, execution=COMPILED):
     """What `model`'s compiled step holds whatever its size (NOTE [ the compiler's scratch ] in `backends/jax.py`), or 0."""
     if not states_compiled_peak(model, execution):
         return 0
-    return getattr(_measuring_backend(model), "compiler_scratch_bytes", lambda: 0)()
+    return _measuring_backend(model).compiler_scratch_bytes()  # a backend with `step_bytes` states it
 
 
 def resident_bytes(model, inputs):

@@ -482,6 +482,7 @@ def compiled_for_memory(lowered):
         return lowered.compile()
 
 
+@functools.lru_cache(maxsize=None)
 def compiler_scratch_bytes():
     """The temporary bytes XLA assigns to a program of one matrix product on the default device, whatever its size.
 
@@ -495,14 +496,8 @@ def compiler_scratch_bytes():
     activations was refused as below any plan. It is counted once instead:
     held at every point of the step, like the weights
     (`_budget.Model.scratch`). Measured here from a program of one product
-    (the workspace's size does not depend on the product's), once per device.
+    (the workspace's size does not depend on the product's), once per process.
     """
-    return _scratch_on(jax.devices()[0].platform)
-
-
-@functools.lru_cache(maxsize=None)
-def _scratch_on(platform):
-    del platform  # the cache's key: the figure is the default device's
     operand = jax.ShapeDtypeStruct((128, 128), jnp.float32)
     compiled = compiled_for_memory(jax.jit(lambda a, b: a @ b).lower(operand, operand))
     return int(compiled.memory_analysis().temp_size_in_bytes)
