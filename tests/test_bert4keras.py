@@ -8,11 +8,11 @@ steps with every patched `call` plain, then recomputed.
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+
+import _fresh
 
 pytest.importorskip("tensorflow")  # bert4keras runs on tf_keras
 pytest.importorskip("bert4keras")
@@ -22,8 +22,9 @@ ROOT = os.path.dirname(os.path.dirname(CHILD))
 
 
 def run(method, mode):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, CHILD, method, mode], env=env, capture_output=True, text=True, check=False)
+    # The child's tf.keras is tf_keras: TensorFlow reads which at import, in the zygote (NOTE [ forked children ]).
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), TF_USE_LEGACY_KERAS="1")
+    done = _fresh.run([CHILD, method, mode], env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

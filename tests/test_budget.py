@@ -13,7 +13,6 @@ import contextlib
 import functools
 import json
 import os
-import subprocess
 import sys
 
 import keras
@@ -21,6 +20,7 @@ import numpy as np
 import pytest
 from keras import layers
 
+import _fresh
 from _keras3_twins import BACKEND, FAST_MODE, MODES, compare_on_and_off, loss_and_gradients, step_program
 from keras_recompute import _budget, _memory, _model, memory_report, recompute_model, recompute_scope
 
@@ -518,7 +518,7 @@ def test_a_graph_step_of_large_weights_is_predicted_without_their_reads_and_grad
     """NOTE [ the peak of a plan ]: a TensorFlow graph applies each gradient as it is made, and a
     weight's read is the variable's buffer: 64 MiB of weights at batch 4 peak 16 MiB above resident."""
     env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="1", KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="3")
-    done = subprocess.run([sys.executable, "-c", _WEIGHTS_CHILD], env=env, capture_output=True, text=True, timeout=600)
+    done = _fresh.run(["-c", _WEIGHTS_CHILD], env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     record = json.loads(done.stdout.strip().splitlines()[-1])
     assert record["peak"] - record["resident"] < record["gradients"] / 2, record  # not every gradient at once
@@ -543,8 +543,7 @@ print(json.dumps(planned_loop_peak(model, x, np.zeros(16, "int32"), method, loop
 def _loop_child(method, loop, budget=0):
     env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="1", KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="3")
     here = os.path.dirname(os.path.abspath(__file__))
-    arguments = [sys.executable, "-c", _LOOP_CHILD, here, method, loop, str(budget)]
-    done = subprocess.run(arguments, env=env, capture_output=True, text=True, timeout=600)
+    done = _fresh.run(["-c", _LOOP_CHILD, here, method, loop, str(budget)], env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -614,7 +613,7 @@ def test_the_compiled_step_is_measured_as_keras_runs_it(policy):
 def test_the_measured_peak_of_a_plan_meets_its_budget():
     env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="1", KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="3")
     here = os.path.dirname(os.path.abspath(__file__))
-    done = subprocess.run([sys.executable, "-c", _CHILD, here], env=env, capture_output=True, text=True, timeout=600)
+    done = _fresh.run(["-c", _CHILD, here], env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     record = json.loads(done.stdout.strip().splitlines()[-1])
     assert any(p != "none" for p in record["plan"]) and record["plan"].count("full") < 6, record

@@ -15,6 +15,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
+import _fresh  # noqa: E402
 import docs_figures  # noqa: E402
 
 BACKEND = os.environ.get("KERAS_BACKEND", "tensorflow")
@@ -72,10 +73,7 @@ def test_the_quick_start_runs_as_written(tmp_path):
     pytest.importorskip("keras_hub")
     script = tmp_path / "quick_start.py"
     script.write_text(_quick_start())
-    done = subprocess.run(
-        [sys.executable, str(script)], cwd=str(tmp_path), capture_output=True, text=True, timeout=600,
-        env=dict(os.environ, KERAS_BACKEND=BACKEND, TF_CPP_MIN_LOG_LEVEL="3"),
-    )
+    done = _fresh.run([str(script)], cwd=str(tmp_path), env=dict(os.environ, KERAS_BACKEND=BACKEND, TF_CPP_MIN_LOG_LEVEL="3"))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "verdict: OK" in done.stdout and "predicted peak" in done.stdout
 

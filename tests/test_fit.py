@@ -12,13 +12,13 @@ own rounding), and the next size's predicted peak over the budget.
 
 import json
 import os
-import subprocess
 import sys
 
 import keras
 import numpy as np
 import pytest
 
+import _fresh
 from test_budget import blocks_model, refuse_compiles
 from keras_recompute import FitReport, largest_fit, recompute_model
 
@@ -97,8 +97,7 @@ def measured_peak(axis, policy, size, env=None):
     labels = np.zeros(len(x), "int32")
     if BACKEND == "tensorflow":
         env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="1", TF_CPP_MIN_LOG_LEVEL="3", **(env or {}))
-        done = subprocess.run([sys.executable, "-c", _TF_CHILD, HERE, axis, policy, str(size)], env=env,
-                              capture_output=True, text=True, timeout=600)
+        done = _fresh.run(["-c", _TF_CHILD, HERE, axis, policy, str(size)], env=env)
         assert done.returncode == 0, done.stderr[-3000:]
         return json.loads(done.stdout.strip().splitlines()[-1])["peak"]
     model = sequence_model()
@@ -299,8 +298,7 @@ def test_the_allocation_trace_reads_a_steps_peak_as_the_resident_memory_rises():
     pytest.importorskip("keras_hub")
     # On the CPU: a GPU's step leaves the resident memory where it was (the H200's run: a rise of 28 KB).
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", KERAS_BACKEND="torch", CUDA_VISIBLE_DEVICES="")
-    done = subprocess.run([sys.executable, "-c", _RSS_CHILD, os.path.join(os.path.dirname(HERE), "benchmarks")],
-                          env=env, capture_output=True, text=True, check=True)
+    done = _fresh.run(["-c", _RSS_CHILD, os.path.join(os.path.dirname(HERE), "benchmarks")], env=env, check=True)
     figures = json.loads(done.stdout.strip().splitlines()[-1])
     assert 0.98 * figures["rise"] <= figures["traced"] <= 1.05 * figures["rise"], figures
 

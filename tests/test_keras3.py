@@ -327,8 +327,8 @@ def test_forward_runs_again_in_the_backward():
 def _child_peak(method, rows):
     """Peak in MB of one `_rss_child.py` run: its RSS, or on a GPU its device allocator's (see its docstring)."""
     import os
-    import subprocess
-    import sys
+
+    import _fresh
 
     child = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_rss_child.py")
     root = os.path.dirname(os.path.dirname(child))
@@ -338,9 +338,7 @@ def _child_peak(method, rows):
         XLA_PYTHON_CLIENT_PREALLOCATE="false",  # JAX on a GPU: its peak, not 75% of the device
         PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
     )
-    done = subprocess.run(
-        [sys.executable, child, method, str(rows)], env=env, capture_output=True, text=True, check=False
-    )
+    done = _fresh.run([child, method, str(rows)], env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     return float(done.stdout.split()[-1])
 

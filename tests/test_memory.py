@@ -7,10 +7,10 @@ its activations, the peak would not fall: this test would fail.
 """
 
 import os
-import subprocess
-import sys
 
 import pytest
+
+import _fresh
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_memory_child.py")
 ROOT = os.path.dirname(os.path.dirname(CHILD))
@@ -18,13 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(CHILD))
 
 def peak_bytes(framework, mode, recompute, units="decorated"):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run(
-        [sys.executable, CHILD, framework, mode, "1" if recompute else "0", units],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    done = _fresh.run([CHILD, framework, mode, "1" if recompute else "0", units], env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     return int(done.stdout.strip().splitlines()[-1])
 

@@ -18,14 +18,13 @@ import contextlib
 import functools
 import os
 import re
-import subprocess
-import sys
 
 import keras
 import numpy as np
 import pytest
 from keras import layers
 
+import _fresh
 from _keras3_twins import BACKEND, MODES, compare_on_and_off, compare_with_twin, loss_and_gradients, recomputed_class, step_program
 from keras_recompute import recompute_grad, recompute_model, recompute_scope
 
@@ -516,7 +515,7 @@ def test_policy_memory(framework):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     peaks = {}
     for policy in ("none", "full", "save_dots", "attention_core"):
-        done = subprocess.run([sys.executable, CHILD, framework, policy], env=env, capture_output=True, text=True)
+        done = _fresh.run([CHILD, framework, policy], env=env)
         assert done.returncode == 0, done.stderr[-3000:]
         peaks[policy] = int(done.stdout.strip().splitlines()[-1])
     print({policy: f"{peak / 2**20:.1f} MB" for policy, peak in peaks.items()})

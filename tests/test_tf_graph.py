@@ -8,7 +8,8 @@ machinery. It cannot be undone in a process, so each case is a subprocess.
 import json
 import os
 import subprocess
-import sys
+
+import _fresh
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_graph_child.py")
 ROOT = os.path.dirname(os.path.dirname(CHILD))
@@ -16,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(CHILD))
 
 def run_case(case, **environment):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), **environment)
-    done = subprocess.run([sys.executable, CHILD, case], env=env, capture_output=True, text=True, check=False)
+    done = _fresh.run([CHILD, case], env=env)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
