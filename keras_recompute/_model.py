@@ -368,8 +368,9 @@ def largest_fit(
     batches = _fit.checked_inputs(make_inputs, sizes, axis, _flatten)
     units, pieces, execution, reason = _measuring_setup(model, blocks, execution, offload, "largest_fit")
     with pieces.measuring() if pieces is not None else contextlib.nullcontext():
-        # Below what stays resident at the smallest size, no plan fits: said before anything is compiled.
-        resident = [_memory.costs(model, units, inputs, execution)[0].resident for inputs in batches]
+        # Below what stays resident at the smallest size, no plan fits: said before anything is measured or compiled
+        # (weights not yet made are not counted: then the measured fit below says it).
+        resident = [_memory.resident_bytes(model, inputs) for inputs in batches]
         least = _fit._evaluate(_fit.polynomial(sizes, resident, _fit.DEGREES[axis]), multiple_of)
         if usable < least:
             raise ValueError(
@@ -587,8 +588,8 @@ def _planned_policies(model, units, budget, inputs, execution, offload=False):
     if kind == "fraction" and value >= 1.0:
         return plain  # all the activations may stay: nothing to measure
     if kind == "bytes":
-        resident = _memory.costs(model, units, inputs, execution)[0].resident
-        if value < resident:  # no plan fits: said before anything is compiled
+        resident = _memory.resident_bytes(model, inputs)
+        if value < resident:  # no plan fits: said before anything is measured or compiled
             raise ValueError(
                 f"keras_recompute: recompute_model(budget={budget!r}) is below the least peak any plan reaches "
                 f"for this batch: the weights, optimizer and batch alone take {_budget.format_bytes(resident)}. "

@@ -31,7 +31,8 @@ os.environ["RECOMPUTE"] = SWITCH
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 if CASE in ("dataparallel", "modelparallel"):
     os.environ["KERAS_BACKEND"] = "jax"
-    os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=2"]).strip()
+    if "--xla_force_host_platform_device_count=2" not in os.environ.get("XLA_FLAGS", ""):  # tests/test_distributed sets it
+        os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=2"]).strip()
 elif CASE == "multiworker":
     os.environ["TF_USE_LEGACY_KERAS"] = "1"
 else:

@@ -23,8 +23,9 @@ distinct environment gets a zygote of its own (but for what is read later:
 so (pass it in its environment instead). Where forking is not the same as
 starting (not Linux; KERAS_RECOMPUTE_TESTS_NO_FORK=1 to compare), it is
 `subprocess.run`; a child that must not have the frameworks imported
-(`tests/test_config.py`), or that picks its backend itself
-(`_distributed_child.py`), is started by `subprocess`. A child of the same
+(`tests/test_config.py`), or children that run side by side (a zygote forks
+one at a time: the multi-worker test's two workers), are started by
+`subprocess`. A child of the same
 zygote starts with the same NumPy global random state (Python's `random` is
 reseeded at a fork); the suite's children seed what they draw.
 

@@ -18,6 +18,8 @@ import sys
 import numpy as np
 import pytest
 
+import _fresh
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHILD = os.path.join(HERE, "_distributed_child.py")
 TIMEOUT = 300
@@ -38,7 +40,14 @@ def _record(done):
 
 
 def _run(case, switch, size="small"):
-    return _record(subprocess.run([sys.executable, CHILD, case, switch, size], env=_env(), capture_output=True, text=True, timeout=TIMEOUT))
+    # What the child would set before importing Keras, set here: it is forked from a process that has imported it
+    # (NOTE [ forked children ] in `_fresh.py`).
+    if case in ("dataparallel", "modelparallel"):
+        flags = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=2"]).strip()
+        env = _env(KERAS_BACKEND="jax", XLA_FLAGS=flags)
+    else:
+        env = _env(KERAS_BACKEND="tensorflow")
+    return _record(_fresh.run([CHILD, case, switch, size], env=env, timeout=TIMEOUT))
 
 
 def _off_and_on(case):
