@@ -228,6 +228,14 @@ def resident_bytes(model, inputs):
     return _variable_bytes(model.variables) + _optimizer_bytes(model) + _tensor_bytes(inputs)
 
 
+def resident_unmeasured(model, inputs):
+    """`resident_bytes` without running the model, or 0 for a model not built yet.
+
+    The measure builds such a model; its optimizer is built after, on the weights it then has (built first, with
+    none, it would refuse them in training)."""
+    return resident_bytes(model, inputs) if getattr(model, "built", False) and model.variables else 0
+
+
 def compiled_peak(model, inputs, measured, execution=COMPILED):
     """The peak of a step of `model` as it stands, where a compiler states it (JAX), else None.
 

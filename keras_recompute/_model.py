@@ -369,8 +369,8 @@ def largest_fit(
     units, pieces, execution, reason = _measuring_setup(model, blocks, execution, offload, "largest_fit")
     with pieces.measuring() if pieces is not None else contextlib.nullcontext():
         # Below what stays resident at the smallest size, no plan fits: said before anything is measured or compiled
-        # (weights not yet made are not counted: then the measured fit below says it).
-        resident = [_memory.resident_bytes(model, inputs) for inputs in batches]
+        # (a model not built yet is measured first: the fit below says it).
+        resident = [_memory.resident_unmeasured(model, inputs) for inputs in batches]
         least = _fit._evaluate(_fit.polynomial(sizes, resident, _fit.DEGREES[axis]), multiple_of)
         if usable < least:
             raise ValueError(
@@ -588,7 +588,7 @@ def _planned_policies(model, units, budget, inputs, execution, offload=False):
     if kind == "fraction" and value >= 1.0:
         return plain  # all the activations may stay: nothing to measure
     if kind == "bytes":
-        resident = _memory.resident_bytes(model, inputs)
+        resident = _memory.resident_unmeasured(model, inputs)
         if value < resident:  # no plan fits: said before anything is measured or compiled
             raise ValueError(
                 f"keras_recompute: recompute_model(budget={budget!r}) is below the least peak any plan reaches "

@@ -619,3 +619,41 @@ def test_the_measured_peak_of_a_plan_meets_its_budget():
     assert any(p != "none" for p in record["plan"]) and record["plan"].count("full") < 6, record
     assert record["peak"] <= 1.05 * record["budget"], record
     assert abs(record["predicted"] - record["peak"]) <= 0.10 * record["peak"], record
+
+
+class NotBuiltYet(keras.Model):
+    """Built at its first call: no weights when `recompute_model(budget=)` is called."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = [FeedForwardBlock(name=f"block_{i}") for i in range(2)]
+        self.head = layers.Dense(3)
+
+    def call(self, inputs):
+        for block in self.blocks:
+            inputs = block(inputs)
+        return self.head(inputs)
+
+
+class FeedForwardBlock(layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.up = layers.Dense(64, activation="gelu")
+        self.down = layers.Dense(16)
+
+    def call(self, inputs):
+        return inputs + self.down(self.up(inputs))
+
+
+@pytest.mark.skipif(BACKEND == "jax", reason="measuring a model not built yet leaks a tracer on JAX (known, not fixed)")
+def test_a_model_not_built_yet_is_planned_and_then_trains():
+    """Its weights are made by the measure; the optimizer is built after, with them (built first, with none, the
+    first training step refuses every weight)."""
+    model = NotBuiltYet()
+    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x = np.random.RandomState(0).standard_normal((8, 16)).astype("float32")
+    with pytest.raises(ValueError, match="below the least peak"):
+        recompute_model(model, budget="1KB", inputs=x, blocks=FeedForwardBlock)
+    recompute_model(model, budget="1GB", inputs=x, blocks=FeedForwardBlock)
+    model.train_on_batch(x, np.zeros((8,), "int32"))
+    assert len(model.optimizer.variables) > 2 * len(model.trainable_variables)
