@@ -21,8 +21,9 @@ flags, whether tf.keras is tf_keras: `AT_START`) the zygote has read: each
 distinct environment gets a zygote of its own (but for what is read later:
 `LAZY`), and a child that sets an `AT_START` variable itself fails, saying
 so (pass it in its environment instead). Where forking is not the same as
-starting (not Linux; KERAS_RECOMPUTE_TESTS_NO_FORK=1 to compare), it is
-`subprocess.run`; a child that must not have the frameworks imported
+starting (not Linux; a GPU build of PyTorch, whose CUDA a forked child
+cannot use once Keras has asked for its devices; KERAS_RECOMPUTE_TESTS_NO_FORK=1
+to compare), it is `subprocess.run`; a child that must not have the frameworks imported
 (`tests/test_config.py`), or children that run side by side (a zygote forks
 one at a time: the multi-worker test's two workers), are started by
 `subprocess`. A child of the same
@@ -190,7 +191,7 @@ def run(argv, env=None, cwd=None, timeout=600, check=False):
     by a fork of a zygote (NOTE [ forked children ]). `argv`: a script and its arguments, or `-c`, code, arguments."""
     env = dict(os.environ if env is None else env)
     cwd = os.path.abspath(cwd or os.getcwd())
-    if not sys.platform.startswith("linux") or os.environ.get("KERAS_RECOMPUTE_TESTS_NO_FORK") == "1":
+    if not forks(env):
         done = subprocess.run([sys.executable, *argv], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
     else:
         key = tuple(sorted((name, value) for name, value in env.items() if name not in LAZY))
@@ -203,6 +204,19 @@ def run(argv, env=None, cwd=None, timeout=600, check=False):
     if check:
         done.check_returncode()
     return done
+
+
+def forks(env=None):
+    """Whether `run` forks for `env`: on Linux, unless KERAS_RECOMPUTE_TESTS_NO_FORK=1 or a GPU build of PyTorch
+    would be imported (asking it for its devices initializes CUDA, which a forked child cannot use)."""
+    env = os.environ if env is None else env
+    if not sys.platform.startswith("linux") or os.environ.get("KERAS_RECOMPUTE_TESTS_NO_FORK") == "1":
+        return False
+    if env.get("KERAS_BACKEND") == "torch":
+        import torch
+
+        return torch.version.cuda is None and getattr(torch.version, "hip", None) is None
+    return True
 
 
 def _now():

@@ -2,7 +2,6 @@
 
 import os
 import subprocess
-import sys
 
 import keras
 import pytest
@@ -39,8 +38,8 @@ assert torch.ones(3).sum().item() == 3.0
 
 @pytest.fixture(autouse=True)
 def _forking():
-    if not sys.platform.startswith("linux") or os.environ.get("KERAS_RECOMPUTE_TESTS_NO_FORK") == "1":
-        pytest.skip("children are started by subprocess here")
+    if not _fresh.forks():
+        pytest.skip("children are started by subprocess here (_fresh.forks)")
 
 
 def test_a_child_has_its_arguments_folder_environment_and_status(tmp_path):
