@@ -35,6 +35,7 @@ against the default): test_memory.py and test_policy_memory[tf_keras], 251 s
 against 132 s; JAX's test_memory_falls, 50.7 s against 32.9 s.
 """
 
+import atexit
 import json
 import os
 import select
@@ -151,7 +152,7 @@ class _Zygote:
 
     def _reply(self, deadline):
         while b"\n" not in self._buffer:
-            wait = None if deadline is None else max(0.0, deadline - _now())
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not select.select([self._replies], [], [], wait)[0]:
                 return None
             chunk = os.read(self._replies, 4096)
@@ -169,7 +170,7 @@ class _Zygote:
             request = {"argv": list(argv), "env": env, "cwd": cwd, "stdout": out, "stderr": err}
             os.write(self._requests, (json.dumps(request) + "\n").encode())
             pid = self._reply(None)["pid"]
-            reply = self._reply(None if timeout is None else _now() + timeout)
+            reply = self._reply(None if timeout is None else time.monotonic() + timeout)
             if reply is None:
                 os.killpg(pid, signal.SIGKILL)
                 self._reply(None)
@@ -219,9 +220,6 @@ def forks(env=None):
     return True
 
 
-def _now():
-    return time.monotonic()
-
 
 def _read(path):
     with open(path, errors="replace") as handle:
@@ -235,7 +233,5 @@ def _close_all():
         except Exception:  # noqa: BLE001 - the session is ending
             zygote.process.kill()
 
-
-import atexit  # noqa: E402
 
 atexit.register(_close_all)
