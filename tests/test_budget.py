@@ -609,6 +609,30 @@ def test_the_compiled_step_is_measured_as_keras_runs_it(policy):
     assert unoptimized.memory_analysis().temp_size_in_bytes == expected
 
 
+@pytest.mark.skipif(BACKEND != "jax", reason="JAX's persistent compilation cache")
+def test_a_program_from_the_runs_compile_cache_states_what_its_compile_did():
+    """The JAX run shares one persistent compilation cache (`tests/conftest.py`): a step's bytes and ops read
+    from a cached program are those of its compile, so no figure of the suite changes with the cache."""
+    import jax
+
+    folder = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    if not folder:
+        pytest.skip("no persistent compilation cache in this run")
+    from keras_recompute.backends import jax as jax_backend
+
+    model = blocks_model(2, seq=24, width=40)  # a shape no other test compiles: its first compile is a miss
+    recompute_model(model, policy="save_dots", enabled=True)
+    x = np.ones((3, 24, 40), "float32")
+    entries = lambda: len(os.listdir(folder))  # noqa: E731
+    before = entries()
+    compiled = jax_backend.step_bytes(model, x)
+    written = entries()
+    assert written > before, "the step's program was not written to the cache"
+    jax.clear_caches()  # what a new process has: only the folder
+    assert jax_backend.step_bytes(model, x) == compiled > 0
+    assert entries() == written, "the same program was compiled again, not read from the cache"
+
+
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="the allocator's peak: TensorFlow's BFC allocator on the CPU")
 def test_the_measured_peak_of_a_plan_meets_its_budget():
     env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="1", KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="3")
