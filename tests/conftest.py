@@ -24,22 +24,23 @@ if os.environ["KERAS_BACKEND"] == "jax" and _jax_gpu_installed():
     os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-if os.environ["KERAS_BACKEND"] == "jax" and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+if os.environ["KERAS_BACKEND"] == "jax":
     # One XLA compile of each program per run: many tests, and the children they measure in, compile the same
     # programs (a model's plain step beside each policy's; a child's step that the test compiled before).
-    # JAX's persistent cache, in a folder of this run's own (set in the environment: the children share it).
-    # Only XLA's compile is skipped: every trace still runs, and a cached program states the same memory.
-    import atexit
-    import shutil
-    import tempfile
+    # JAX's persistent cache, every program kept, in a folder of this run's own unless one is set (in the
+    # environment: the children share it). Only XLA's compile is skipped: every trace still runs, and a cached
+    # program states what its compile did (test_budget.py::test_a_program_from_the_runs_compile_cache_...).
+    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+        import atexit
+        import shutil
+        import tempfile
 
-    _cache = tempfile.mkdtemp(prefix="keras_recompute_tests_jax_cache_")
-    _owner = os.getpid()
-    atexit.register(lambda: os.getpid() == _owner and shutil.rmtree(_cache, ignore_errors=True))
-    os.environ.update(
-        JAX_COMPILATION_CACHE_DIR=_cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
-    )
+        _cache = tempfile.mkdtemp(prefix="keras_recompute_tests_jax_cache_")
+        _owner = os.getpid()
+        atexit.register(lambda: os.getpid() == _owner and shutil.rmtree(_cache, ignore_errors=True))
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 if os.environ.get("KERAS_RECOMPUTE_TESTS_WITHOUT_TENSORFLOW") == "1":
     # As on a machine without TensorFlow (the GPU machine has none): `import tensorflow` and
