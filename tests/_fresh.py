@@ -220,7 +220,6 @@ def forks(env=None):
     return True
 
 
-
 def _read(path):
     with open(path, errors="replace") as handle:
         return handle.read()

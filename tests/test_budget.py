@@ -611,8 +611,8 @@ def test_the_compiled_step_is_measured_as_keras_runs_it(policy):
 
 @pytest.mark.skipif(BACKEND != "jax", reason="JAX's persistent compilation cache")
 def test_a_program_from_the_runs_compile_cache_states_what_its_compile_did():
-    """The JAX run shares one persistent compilation cache (`tests/conftest.py`): a step's bytes and ops read
-    from a cached program are those of its compile, so no figure of the suite changes with the cache."""
+    """The JAX run shares one persistent compilation cache (`tests/conftest.py`): a step's bytes read from a
+    cached program are those of its compile, so no figure of the suite changes with the cache."""
     import jax
 
     folder = os.environ.get("JAX_COMPILATION_CACHE_DIR")
