@@ -133,28 +133,24 @@ BATCH_BUDGET = {"jax": 96 * 2**20}
 
 @pytest.mark.parametrize("axis", ["batch", "sequence"])
 def test_the_predicted_largest_size_fits_and_the_next_does_not(axis):
-    """Against the whole budget (headroom 0): a step at the answer peaks near the prediction, the next size is
-    predicted over; with the default headroom, the step at the answer runs under the budget."""
+    """With the default headroom: a step at the answer peaks near the prediction and under the budget, the next
+    size is predicted over what the headroom leaves (the headroom's arithmetic: test_fit_solver)."""
     model = sequence_model()
     make = make_batch if axis == "batch" else make_sequence
     sizes = (2, 4, 8) if axis == "batch" else (32, 64, 96, 128)
     budget = BATCH_BUDGET.get(BACKEND, 64 * 2**20) if axis == "batch" else 24 * 2**20
-    report = largest_fit(model, budget, make, axis=axis, sizes=sizes, options=["none", "full"], headroom=0)
-    assert isinstance(report, FitReport) and "largest" in str(report)
+    report = largest_fit(model, budget, make, axis=axis, sizes=sizes, options=["none", "full"])
+    assert isinstance(report, FitReport) and "10% of it kept" in str(report)
     none, full = report.largest("none"), report.largest("full")
     assert none is not None and full is not None and 8 < none < full, str(report)
     assert report.largest("plan") >= full, str(report)
-    safe = largest_fit(model, budget, make, axis=axis, sizes=sizes, options=["none", "full"], plan=False)
-    assert "10% of it kept" in str(safe)
     over, under = TOLERANCE[axis, BACKEND]  # the prediction over, under the measured peak
     for policy in ("none", "full"):
         row = next(row for row in report.rows if row["option"] == policy)
-        assert row["predicted_peak"] <= budget < row["next_peak"], row
+        assert row["predicted_peak"] <= report.usable < row["next_peak"], row
         peak = measured_peak(axis, policy, row["largest"])
         assert -under * peak <= row["predicted_peak"] - peak <= over * peak, (policy, peak, row)
-        smaller = safe.largest(policy)
-        assert 0.8 * row["largest"] <= smaller < row["largest"], (policy, smaller, row)
-        assert measured_peak(axis, policy, smaller) <= budget, (policy, smaller, str(safe))
+        assert peak <= budget, (policy, peak, str(report))
 
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's executor and its BFC allocator")
