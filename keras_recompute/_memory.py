@@ -3,7 +3,9 @@
 NOTE [ measuring a model's units ]
 The costs are measured on the model itself, at the batch the user gives:
   1. one forward of the model in training mode records each unit's call
-     (its arguments, masks attached, and the size of its outputs);
+     (its arguments, masks attached, the `training` of the call context where
+     its `call` takes none, and the size of its outputs; not the call by which
+     Keras builds a model, which computes only shapes);
   2. each unit is then run alone on those arguments, once per option (no
      recompute, and each policy that applies to it), by its backend's
      `measure_unit`: the bytes its forward keeps for the backward (read from
@@ -37,6 +39,7 @@ PyTorch runs eagerly: `"eager"` always. The report says which, and why.
 
 import contextlib
 import re
+import sys
 import time
 
 from keras_recompute import _budget, _context, _policy
@@ -453,12 +456,32 @@ def _record(model, units, inputs, backend):
 
 
 def _recorder(unit, call, records):
+    from keras_recompute.backends import _keras3
+
+    keras3 = _keras3.is_layer(unit)
+
     def record(*args, **kwargs):
         outputs = call(*args, **kwargs)
-        records.setdefault(id(unit), (args, kwargs, (_float_bytes((args, kwargs)), _float_bytes(outputs))))
+        # A model not built yet is built by Keras at its first call, by a call that computes only shapes (on JAX
+        # its values are tracers of that trace): that call is not the one measured, the call that follows is.
+        if id(unit) in records or (keras3 and _keras3.in_symbolic_scope()):
+            return outputs
+        # A `call` that takes no `training` runs with the call context's (its dropout reads it there): measured
+        # with it, given as `training=` (which `__call__` puts back in the context).
+        training = _keras3.context_training(unit) if keras3 else _tf_keras_context_training(unit)
+        recorded = kwargs if training is None else dict(kwargs, training=training)
+        records[id(unit)] = (args, recorded, (_float_bytes((args, kwargs)), _float_bytes(outputs)))
         return outputs
 
     return record
+
+
+def _tf_keras_context_training(unit):
+    if "tf_keras" not in sys.modules:  # no tf_keras loaded: not a tf_keras layer
+        return None
+    from keras_recompute.backends import _tf_keras
+
+    return _tf_keras.context_training(unit)
 
 
 def _no_gradient(backend):

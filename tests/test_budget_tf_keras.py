@@ -70,3 +70,39 @@ def test_the_optimizer_counts_as_its_first_step_builds_it(optimizer):
     before = _memory._optimizer_bytes(model)
     model.train_on_batch(np.zeros((4, 16), "float32"), np.zeros((4, 2), "float32"))
     assert before == _memory._optimizer_bytes(model) >= 2 * _memory._variable_bytes(model.trainable_variables)
+
+
+class DropoutBlock(K.layers.Layer):
+    """Its `call` takes no `training`: its dropout reads tf_keras's call context."""
+
+    def __init__(self, rate, **kwargs):
+        super().__init__(**kwargs)
+        self.up = K.layers.Dense(64, activation="gelu")
+        self.dropout = K.layers.Dropout(rate, seed=1)
+        self.down = K.layers.Dense(16)
+
+    def call(self, inputs):
+        return inputs + self.down(self.dropout(self.up(inputs)))
+
+
+class PassesTraining(DropoutBlock):
+    def call(self, inputs, training=None):
+        return inputs + self.down(self.dropout(self.up(inputs), training=training))
+
+
+def test_a_block_whose_call_takes_no_training_is_measured_in_training():
+    """Measured as the training forward runs it, its dropout on: what it keeps equals the block's that takes
+    `training` and passes it on, and is more than with no dropout (measured with its dropout off, as it was
+    until 2026-11-27, it kept what a block without dropout keeps)."""
+    kept = {}
+    for name, block, rate in (("no training", DropoutBlock, 0.5), ("training", PassesTraining, 0.5),
+                              ("no dropout", DropoutBlock, 0.0)):
+        inputs = K.Input((32, 16))
+        hidden = inputs
+        for i in range(2):
+            hidden = block(rate, name=f"block_{i}")(hidden)
+        model = K.Model(inputs, K.layers.Dense(3)(hidden))
+        model.compile(optimizer="adam", loss="mse")
+        kept[name] = [row["kept_bytes"]["none"] for row in memory_report(model, X, blocks=block).rows]
+    assert kept["no training"] == kept["training"], kept
+    assert all(a > b for a, b in zip(kept["no training"], kept["no dropout"])), kept

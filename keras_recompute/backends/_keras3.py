@@ -25,6 +25,7 @@ The autocast scope that `Layer.__call__` opened around the forward (mixed
 precision) is re-entered as well, so the recompute casts variables the same way.
 """
 
+import contextlib
 import sys
 
 
@@ -255,6 +256,47 @@ class _CallContext:
         global_state.set_global_attribute("current_call_ctx", self._previous)
 
 
+def context_training(layer):
+    """The `training` a call of `layer` runs with where its `call` takes none (the call context's), else None."""
+    if getattr(layer, "_call_has_training_arg", True):
+        return None
+    from keras.src.backend.common import global_state
+
+    context = global_state.get_global_attribute("current_call_ctx")
+    return None if context is None else context.get_value("training")
+
+
+def stateless_call(layer, trainable, non_trainable, *args, **kwargs):
+    """`layer.stateless_call(...)`, its `training=` given as `Layer.__call__` gives it.
+
+    `stateless_call` passes its keywords to `call` as they are: a model whose
+    `call` takes no `training` (a subclassed model's `call(self, inputs)`)
+    would be refused it, and its dropout would not see it. `__call__` passes
+    it only to a `call` that takes it, and its sub-layers called without it
+    read it from the call context: so here, in a context of this call's own.
+    """
+    if "training" not in kwargs or getattr(layer, "_call_has_training_arg", True):
+        return layer.stateless_call(trainable, non_trainable, *args, **kwargs)
+    with training_context(layer, kwargs.pop("training")):
+        return layer.stateless_call(trainable, non_trainable, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def training_context(layer, training):
+    """A call context of `layer`'s own holding `training`, as `__call__` opens one: its sub-layers read it."""
+    from keras.src.backend.common import global_state
+    from keras.src.layers.layer import CallContext
+
+    context = CallContext(entry_layer=layer)
+    context.training = training
+    previous = global_state.get_global_attribute("current_call_ctx")
+    global_state.set_global_attribute("current_call_ctx", context)
+    try:
+        yield
+    finally:
+        global_state.set_global_attribute("current_call_ctx", previous)
+
+
 _REPLAY_SCOPE = []
 
 
@@ -388,9 +430,14 @@ def segment(functional, nodes, input_ids, output_ids, name):
                 object.__setattr__(self, "_piece", (functional, nodes, list(input_ids), list(output_ids)))
                 self.built = True
 
-            def __call__(self, *values, **kwargs):
-                # Keras's `__call__` is not for a piece: its layers autocast, mask and build themselves.
-                return self.call(*values, **kwargs)
+            def __call__(self, *values, training=None, **kwargs):
+                # Keras's `__call__` is not for a piece: its layers autocast, mask and build themselves. Called
+                # alone with `training` (measured: `_memory`), its layers read it from a call context, as in the
+                # model's forward they read the model's.
+                if training is None:
+                    return self.call(*values, **kwargs)
+                with training_context(self, training):
+                    return self.call(*values, **kwargs)
 
             def call(self, *values, operation_fn=None):
                 """The piece's output values from its input values (in `input_ids` order)."""

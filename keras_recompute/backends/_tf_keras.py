@@ -66,6 +66,15 @@ def dense_classes():
     return (dense.Dense, einsum_dense.EinsumDense)
 
 
+def context_training(layer):
+    """The `training` a call of `layer` runs with where its `call` takes none (the call context's), else None."""
+    if getattr(layer, "_expects_training_arg", True):
+        return None
+    from tf_keras.src.engine import base_layer_utils
+
+    return base_layer_utils.call_context().call_context_args.get("training")
+
+
 def current_autocast():
     """A context that sets tf_keras's autocast dtype back to the one in effect now (None if no tf_keras)."""
     if not loaded():

@@ -382,7 +382,7 @@ def measure_unit(layer, args, kwargs, policy, timed=True, execution="compiled"):
             if mask is not None:
                 _context.set_mask(value, mask)
         call_args, call_kwargs = jax.tree_util.tree_unflatten(treedef, call_leaves)
-        result, _ = layer.stateless_call(trainable, other, *call_args, **call_kwargs)
+        result, _ = _keras3.stateless_call(layer, trainable, other, *call_args, **call_kwargs)
         return [o for o in jax.tree_util.tree_leaves(result) if _is_differentiable(o)]
 
     def residuals(trainable, differentiated):
@@ -451,7 +451,7 @@ def step_bytes(model, inputs):
         values = jax.tree_util.tree_unflatten(structure, leaves)
 
         def loss(trainable):
-            result, other_after = model.stateless_call(trainable, other, values, training=True)
+            result, other_after = _keras3.stateless_call(model, trainable, other, values, training=True)
             outputs = [o.astype(jnp.float32) for o in jax.tree_util.tree_leaves(result) if _is_differentiable(o)]
             return sum(_stand_in_loss(o) for o in outputs), other_after
 
