@@ -439,12 +439,14 @@ def _record(model, units, inputs, backend):
 
     `loss`: what a loss's backward holds on its outputs, where it is measured (else 0).
     """
+    from keras_recompute.backends import _keras3
+
     records = {}
     with contextlib.ExitStack() as stack:
         for unit in units:
             stack.enter_context(_context.instance_attribute(unit, "call", _recorder(unit, unit.call, records)))
         with _no_gradient(backend):
-            outputs = model(inputs, training=True)
+            outputs = model(inputs, **_keras3.training_kwargs(model))  # as Keras's trainer calls it
     missing = [unit_name(unit) for unit in units if id(unit) not in records]
     if missing:
         raise ValueError(
@@ -499,11 +501,14 @@ def _whole_model_kept(model, units, inputs, backend, undecorated, recompute_grad
     the forward (PyTorch), it then holds no more than full recompute keeps,
     not the plain model's activations, which may be what does not fit.
     """
+    from keras_recompute.backends import _keras3
+
     with contextlib.ExitStack() as stack:
         for unit in units:
             full = recompute_grad(undecorated(unit.call), enabled=True, policy=_policy.FULL)
             stack.enter_context(_context.instance_attribute(unit, "call", full))
-        kept, _, _ = backend.measure_unit(model, (inputs,), {"training": True}, _policy.FULL, timed=False, execution=execution)
+        training = _keras3.training_kwargs(model)  # as Keras's trainer calls it
+        kept, _, _ = backend.measure_unit(model, (inputs,), training, _policy.FULL, timed=False, execution=execution)
     return kept
 
 

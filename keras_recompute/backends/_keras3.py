@@ -266,14 +266,25 @@ def context_training(layer):
     return None if context is None else context.get_value("training")
 
 
+def training_kwargs(model):
+    """`{"training": True}` where Keras's trainer passes it to `model`, else `{}`.
+
+    Keras 3's trainers (every backend) call a model whose `call` takes no
+    `training` without it: no call context holds it, and the model's dropout
+    runs off in training. tf_keras's passes it to every model.
+    """
+    return {} if is_layer(model) and not getattr(model, "_call_has_training_arg", True) else {"training": True}
+
+
 def stateless_call(layer, trainable, non_trainable, *args, **kwargs):
     """`layer.stateless_call(...)`, its `training=` given as `Layer.__call__` gives it.
 
-    `stateless_call` passes its keywords to `call` as they are: a model whose
-    `call` takes no `training` (a subclassed model's `call(self, inputs)`)
-    would be refused it, and its dropout would not see it. `__call__` passes
-    it only to a `call` that takes it, and its sub-layers called without it
-    read it from the call context: so here, in a context of this call's own.
+    `stateless_call` passes its keywords to `call` as they are: a layer whose
+    `call` takes no `training` (a block's `call(self, inputs)`, recorded in a
+    forward that gave it one: `_memory`) would be refused it, and its dropout
+    would not see it. `__call__` passes it only to a `call` that takes it, and
+    its sub-layers called without it read it from the call context: so here,
+    in a context of this call's own.
     """
     if "training" not in kwargs or getattr(layer, "_call_has_training_arg", True):
         return layer.stateless_call(trainable, non_trainable, *args, **kwargs)

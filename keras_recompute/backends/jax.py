@@ -451,7 +451,7 @@ def step_bytes(model, inputs):
         values = jax.tree_util.tree_unflatten(structure, leaves)
 
         def loss(trainable):
-            result, other_after = _keras3.stateless_call(model, trainable, other, values, training=True)
+            result, other_after = model.stateless_call(trainable, other, values, **_keras3.training_kwargs(model))
             outputs = [o.astype(jnp.float32) for o in jax.tree_util.tree_leaves(result) if _is_differentiable(o)]
             return sum(_stand_in_loss(o) for o in outputs), other_after
 
