@@ -25,7 +25,6 @@ The autocast scope that `Layer.__call__` opened around the forward (mixed
 precision) is re-entered as well, so the recompute casts variables the same way.
 """
 
-import contextlib
 import sys
 
 
@@ -292,20 +291,14 @@ def stateless_call(layer, trainable, non_trainable, *args, **kwargs):
         return layer.stateless_call(trainable, non_trainable, *args, **kwargs)
 
 
-@contextlib.contextmanager
 def training_context(layer, training):
-    """A call context of `layer`'s own holding `training`, as `__call__` opens one: its sub-layers read it."""
-    from keras.src.backend.common import global_state
+    """A call context holding `training`, as `__call__` opens one for `layer` where none is open: its sub-layers
+    read it there."""
     from keras.src.layers.layer import CallContext
 
     context = CallContext(entry_layer=layer)
     context.training = training
-    previous = global_state.get_global_attribute("current_call_ctx")
-    global_state.set_global_attribute("current_call_ctx", context)
-    try:
-        yield
-    finally:
-        global_state.set_global_attribute("current_call_ctx", previous)
+    return _CallContext(layer, context)
 
 
 _REPLAY_SCOPE = []
