@@ -24,6 +24,17 @@ if os.environ["KERAS_BACKEND"] == "jax" and _jax_gpu_installed():
     os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+if not _jax_gpu_installed() and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    # NOTE [ XLA's LLVM at -O0 in the suite ]: on the CPU most of an XLA test's time is XLA compiling its
+    # programs, and most of the compile is LLVM optimizing the machine code (measured on 2 cores: TF's
+    # test_every_policy_matches_the_twin[jit-*] 45 -> 32 s; JAX's masks and policy twins 157 -> 85 s). The
+    # suite's programs are small and run a few steps, so it compiles them at LLVM -O0. XLA's HLO passes,
+    # its fusion, scheduling and buffer assignment (every memory figure the suite reads) run as by default;
+    # only the code emitted for each fused kernel differs (the dots call the same Eigen/oneDNN kernels). A
+    # twin and its recompute are compiled alike, and a tolerance holds under any flags (tests/_compare.py).
+    # XLA_FLAGS=--xla_backend_optimization_level=3 runs the suite as users' programs are compiled.
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+
 if os.environ["KERAS_BACKEND"] == "jax":
     # One XLA compile of each program per run: many tests, and the children they measure in, compile the same
     # programs (a model's plain step beside each policy's; a child's step that the test compiled before).
