@@ -29,6 +29,8 @@ one, far above it. Low-precision tests pass their own tolerance.
 twice (recompute off against the plain call).
 """
 
+import os
+
 import numpy as np
 
 RTOL = 1e-5
@@ -62,10 +64,20 @@ def assert_close(actual, expected, rtol=RTOL, what="value"):
         if not e.size:
             continue
         error = float(np.max(np.abs(a.astype(np.float64) - e.astype(np.float64)))) / scale
+        _log_error(error, e.dtype, rtol, f"{what}[{index}]")
         assert error <= rtol, (
             f"{what}[{index}]: normwise error {error:.3g} > {rtol} (shape {e.shape}, largest value "
             f"compared {scale:.3g}); see NOTE [ what \"equal\" means in these tests ] in tests/_compare.py"
         )
+
+
+def _log_error(error, dtype, rtol, what):
+    """KERAS_RECOMPUTE_TESTS_ERRORS=path: each comparison's error, a line each (`error dtype rtol test what`)."""
+    path = os.environ.get("KERAS_RECOMPUTE_TESTS_ERRORS")
+    if path:
+        test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+        with open(path, "a") as log:
+            log.write(f"{error:.3g} {dtype} {rtol} {test} {what}\n")
 
 
 def normwise_errors(actual, expected):
