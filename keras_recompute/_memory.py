@@ -437,7 +437,7 @@ def _unit_costs(unit, measured, input_bytes, output_bytes, recompute_largest=1.0
 def _record(model, units, inputs, backend):
     """`({id(unit): (args, kwargs, (input_bytes, output_bytes))}, loss)` from one training-mode forward of `model`.
 
-    `loss`: what a loss's backward holds on its outputs, where it is measured (else 0).
+    `loss`: what a loss's backward holds on its outputs (PyTorch, TensorFlow; else 0).
     """
     from keras_recompute.backends import _keras3
 
@@ -453,8 +453,8 @@ def _record(model, units, inputs, backend):
             f"keras_recompute: a forward of {model.name!r} on `inputs` did not call the units {missing}: "
             "pass inputs= as the model takes them in training."
         )
-    # Where a step's allocations can be read (PyTorch), what the loss's backward holds on the outputs.
-    return records, backend.loss_peak(outputs) if hasattr(backend, "loss_peak") else 0
+    # What the loss's backward holds on the outputs: measured on PyTorch, counted on TensorFlow's graph.
+    return records, backend.loss_peak(outputs, model) if hasattr(backend, "loss_peak") else 0
 
 
 def _recorder(unit, call, records):

@@ -835,8 +835,10 @@ def step_peaks(step):
     return forward - base, after - base, backward - base
 
 
-def loss_peak(outputs):
+def loss_peak(outputs, model=None):
     """What a loss's backward holds on `outputs` (a model's, from a forward without gradients), in bytes above them.
+
+    `model` is not read: Keras's PyTorch trainer holds the outputs for its metrics as the measure does.
 
     A stand-in for the user's loss, as on JAX (NOTE [ checking a plan on JAX ]): Keras's sparse
     cross-entropy over the last axis where it has classes, else a square's, and its gradient with
