@@ -31,7 +31,7 @@ import sys
 import warnings
 
 from keras_recompute import _budget, _config, _context, _fit, _memory, _policy
-from keras_recompute._decorator import recompute_grad
+from keras_recompute._decorator import _undecorated, recompute_grad
 from keras_recompute._errors import RecomputeError
 
 # Attributes of keras-hub backbones that list their repeated blocks.
@@ -184,7 +184,10 @@ def memory_report(model, inputs, *, blocks="auto", execution=None, offload=None)
 
     The costs are measured on `inputs` (NOTE [ measuring a model's units ] in
     `_memory`) and kept on the model: after `recompute_model(budget=...)` on
-    the same batch shape, nothing is measured again.
+    the same batch shape, nothing is measured again. Where a compiler states
+    a step's peak (JAX, compiled), the peaks are its: the model's step as it
+    stands, and no recompute and the least plan compiled too (NOTE [ a
+    report's other plans on JAX ]).
 
     Args:
         model: a Keras 3 or tf_keras model, in eager mode.
@@ -222,6 +225,8 @@ def memory_report(model, inputs, *, blocks="auto", execution=None, offload=None)
     with pieces.measuring() if pieces is not None else contextlib.nullcontext():
         current = [applied.get(_memory.unit_name(u), _budget.NONE) for u in units]
         result = _memory.report(model, units, inputs, current, execution, offload)
+        if _memory.states_compiled_peak(model, result.execution):
+            result.plain_peak, result.floor = _compiled_bounds(model, units, inputs, result, offload)
     if plan is not None and plan.names and not applied:
         result.switch = (
             f"recompute is off now ({'enabled=False' if plan.enabled is False else 'RECOMPUTE is not on, no recompute_scope(True)'}): "
@@ -230,6 +235,40 @@ def memory_report(model, inputs, *, blocks="auto", execution=None, offload=None)
             f"{'with enabled=True' if plan.enabled is False else 'with RECOMPUTE=1 or inside recompute_scope(True)'}"
         )
     return result
+
+
+def _compiled_bounds(model, units, inputs, report, offload):
+    """`(plain, floor)` of `report` where a compiler states a step's peak (JAX): what the steps under those plans hold.
+
+    NOTE [ a report's other plans on JAX ]
+    The step as the model stands is compiled and its peak read. The other
+    plans' peaks were the units' sums, which miss what XLA's program holds
+    besides the residuals: a language model's loss on its logits above all.
+    keras-hub Gemma with LoRA (4 blocks of 256, vocabulary 32000, sequence
+    256; 2026-11-27, CPU), `full` applied: "with no recompute" read 128.6 MB
+    where that step compiles to 164.2, "the least any plan reaches" 97.2
+    where `full`, a plan, compiles to 141.9. XLA's buffer assignment there
+    holds three buffers of the logits' size at the loss (the logits, their
+    exponentials, the gradient: 98.3 MB) above the weights and slots (42.2)
+    and what it keeps of the blocks (1.4 MB under `full`, 23.6 with none,
+    where their residuals are 10.2 and 50.7). Now no recompute is its
+    compiled step (calibrated: NOTE [ calibrating the units to the compiler ],
+    every uniform plan compiled), and the least is the least of the uniform
+    plans' compiled peaks and of the solver's least plan, compiled too: the
+    calibrated units interpolate a mixed plan, and there read 128.5 MB for a
+    plan whose step compiles to 149.8. A budget at that floor is met by a
+    plan `recompute_model(budget=)` finds (it tries the uniform plans).
+    """
+    costs = _calibrated_costs(model, units, inputs, report.execution, offload)
+    count = len(units)
+    uniform = [o for o in costs.units[0].options if all(o in unit.options for unit in costs.units)] if count else []
+    as_it_stands = all(row["policy"] == _budget.NONE for row in report.rows)  # no recompute: its step was compiled
+    plain = report.predicted_peak if as_it_stands else costs.peak([_budget.NONE] * count)
+    peaks = [plain] + [costs.peak([option] * count) for option in uniform]
+    least = _budget.solve(costs, costs.floor())
+    if least is not None and len(set(least)) > 1:  # a mixed plan: its step compiled
+        peaks.append(_compiled_peak_of(model, units, least, inputs, costs, report.execution, offload))
+    return plain, min(peak for peak in peaks if peak is not None)
 
 
 def _checked_model(model, where):
@@ -668,13 +707,19 @@ def _checked_plan(costs, value, compiled, fallback=None, calibrated_here=True):
 
 
 def _compiled_peak_of(model, units, policies, inputs, costs, execution, offload=False):
-    """The compiler's peak of a step with `policies[i]` applied to unit i (`_memory.compiled_peak`), or None."""
-    undos = [_patch_call(unit, True, p, offload) for unit, p in zip(units, policies) if p != _budget.NONE]
-    try:
+    """The compiler's peak of a step with `policies[i]` applied to unit i (`_memory.compiled_peak`), or None.
+
+    Each unit runs its own call under `policies[i]`, whatever the model has applied now: `"none"` is the plain
+    call, not the plan in place (until 2026-11-27 a model with `full` applied answered `largest_fit`'s "none" with
+    full's batch: three of tests/test_fit.py's blocks in 200 MiB, 121 where 47 fits;
+    tests/test_fit.py::test_a_planned_model_is_answered_as_a_plain_one).
+    """
+    with contextlib.ExitStack() as stack:
+        for unit, policy in zip(units, policies):
+            base = _undecorated(unit.call)
+            call = base if policy == _budget.NONE else recompute_grad(base, enabled=True, policy=policy, offload=offload)
+            stack.enter_context(_context.instance_attribute(unit, "call", call))
         return _memory.compiled_peak(model, inputs, costs, execution)
-    finally:
-        for undo in reversed(undos):
-            undo()
 
 
 def _calibrated(model, units, inputs, costs, execution, offload=False):

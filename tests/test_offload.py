@@ -169,7 +169,10 @@ def test_the_planner_counts_offload_off_the_device_only_where_the_device_is_not_
         assert "host memory is its own memory" in str(on_device)
         assert on_device.floor == plain.floor
         monkeypatch.setattr(backend, "offload_frees_device_memory", lambda: True)  # as on a GPU...
-        monkeypatch.setattr(_memory, "compiled_peak", lambda *args, **kwargs: None)  # ...whose compiler's figure XLA's CPU cannot give
+        # ...whose compiler's figures XLA's CPU cannot give: the units' sums, for the plain model too.
+        monkeypatch.setattr(_memory, "compiled_peak", lambda *args, **kwargs: None)
+        monkeypatch.setattr(_memory, "states_compiled_peak", lambda *args, **kwargs: False)
+        plain = memory_report(model, BATCH)
     moved = memory_report(model, BATCH, offload=True)
     inputs = BATCH.nbytes  # every block takes a batch x seq x width float32 tensor
     assert "in host memory" in str(moved)
