@@ -261,7 +261,7 @@ def _compiled_bounds(model, units, inputs, report, offload):
     """
     costs = _calibrated_costs(model, units, inputs, report.execution, offload)
     count = len(units)
-    uniform = [o for o in costs.units[0].options if all(o in unit.options for unit in costs.units)] if count else []
+    uniform = _uniform_options(costs)
     as_it_stands = all(row["policy"] == _budget.NONE for row in report.rows)  # no recompute: its step was compiled
     plain = report.predicted_peak if as_it_stands else costs.peak([_budget.NONE] * count)
     peaks = [plain] + [costs.peak([option] * count) for option in uniform]
@@ -691,7 +691,7 @@ def _checked_plan(costs, value, compiled, fallback=None, calibrated_here=True):
         if actual <= value:
             return candidate
     count = len(costs.units)
-    uniform = [o for o in costs.units[0].options if all(o in u.options for u in costs.units)] if count else []
+    uniform = _uniform_options(costs)
     uniform = uniform if fallback is None else [o for o in uniform if o in fallback]
     for option in sorted(uniform, key=lambda o: costs.seconds([o] * count)):
         if calibrated_here:
@@ -704,6 +704,13 @@ def _checked_plan(costs, value, compiled, fallback=None, calibrated_here=True):
         if actual <= value:
             return [option] * count
     return None
+
+
+def _uniform_options(costs):
+    """The options that apply to every unit of `costs` (each a plan on its own), in the first unit's order."""
+    if not costs.units:
+        return []
+    return [o for o in costs.units[0].options if all(o in unit.options for unit in costs.units)]
 
 
 def _compiled_peak_of(model, units, policies, inputs, costs, execution, offload=False):
@@ -751,7 +758,7 @@ def _calibrated(model, units, inputs, costs, execution, offload=False):
     if cached is not None:
         return cached
     count = len(units)
-    uniform = [o for o in costs.units[0].options if all(o in unit.options for unit in costs.units)]
+    uniform = _uniform_options(costs)
     actuals = {}
     for option in uniform:
         actuals[option] = _compiled_peak_of(model, units, [option] * count, inputs, costs, execution, offload)

@@ -123,8 +123,9 @@ def verify(
         initial = [np.asarray(w, np.float64) for w in model.get_weights()]
         error, plain_updates = plain_run.updates(plain_trials, initial)
         plain_figure = None  # the compiler's peak of the plain step, where one states it (JAX): as the recomputed one's
+        execution = _memory.execution_of(model, None, "verify")[0]
         if memory and plain_run.peak is None:
-            plain_figure = _memory.compiled_peak(model, x, None, _memory.execution_of(model, None, "verify")[0])
+            plain_figure = _memory.compiled_peak(model, x, None, execution)
         _model.recompute_model(
             model,
             blocks,
@@ -138,7 +139,7 @@ def verify(
         units = _model.recomputed_unit_layers(model)
         predicted = recomputed_figure = None
         if plain_figure is not None:  # the compiler states the recomputed step's too: nothing to measure
-            recomputed_figure = _memory.compiled_peak(model, x, None, _memory.execution_of(model, None, "verify")[0])
+            recomputed_figure = _memory.compiled_peak(model, x, None, execution)
         elif memory and plain_run.peak is None:
             predicted = _model.memory_report(model, x)
         recomputed_run = _Runs(_compiled_with_sgd(model, keras_module), keras_module, state, x, y, seed)
