@@ -261,9 +261,13 @@ def main(argv=None):
     def once_then_time(method):
         """The first run measures memory too; the others (`--repeat`) only time a step."""
         if method in seen:
-            return _measure.run(script, child_arguments(args, method, args.batch), args.backend)
-        seen.add(method)
-        return measure(args, method, args.batch)
+            record = _measure.run(script, child_arguments(args, method, args.batch), args.backend)
+        else:
+            seen.add(method)
+            record = measure(args, method, args.batch)
+        # As it comes: a run stopped by its time box (a GPU session's) keeps the methods it finished.
+        print(f"# {method}: {json.dumps(record)}", flush=True)
+        return record
 
     runs = _measure.in_turns(args.repeat, [(method,) for method in args.methods], once_then_time)
     results = {}

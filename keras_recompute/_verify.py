@@ -261,9 +261,16 @@ class VerifyReport:
             f"({ratio:.2f}x)"
         )
         if self.plain_peak is not None and self.recomputed_peak is not None:
+            if self.recomputed_peak < self.plain_peak:
+                saved = f"{self.plain_peak / max(self.recomputed_peak, 1):.2f}x lower"
+            else:  # e.g. a small model on a GPU, whose step peaks at its weights and the matmuls' workspaces
+                saved = (
+                    f"{self.recomputed_peak / max(self.plain_peak, 1):.2f}x higher: nothing saved, the step's peak is "
+                    "not in what these units keep"
+                )
             text.append(
                 f"step peak ({self.peak_source}): plain {_budget.format_bytes(self.plain_peak)}, recomputed "
-                f"{_budget.format_bytes(self.recomputed_peak)} ({self.plain_peak / max(self.recomputed_peak, 1):.2f}x lower)"
+                f"{_budget.format_bytes(self.recomputed_peak)} ({saved})"
             )
         else:
             text.append("step peak: not measured (this device's allocator keeps no figures; memory=True predicts it)")

@@ -163,8 +163,9 @@ def test_a_planned_model_is_answered_as_a_plain_one():
     model = sequence_model(2)
     recompute_model(model, policy="full", enabled=True)
     applied = largest_fit(model, "100MiB", make_batch, options=options, plan=False)
-    # PyTorch's first measure in a process reads a few percent more (full: 75 where later ones answer 77).
-    assert [applied.largest(o) for o in options] == pytest.approx([plain.largest(o) for o in options], rel=0.05), str(applied)
+    # Exactly: PyTorch's first measure in a process read a few percent more (full: 75 where later ones answered 77;
+    # on the H200, 102 against 95) until NOTE [ Keras's tree keeps a call's tensors in a cycle ].
+    assert [applied.largest(o) for o in options] == [plain.largest(o) for o in options], (str(plain), str(applied))
     assert applied.largest("none") < applied.largest("full"), str(applied)
 
 

@@ -24,6 +24,18 @@ from keras_recompute import verify
 X, Y = data()
 
 
+def on_a_gpu():
+    if BACKEND == "jax":
+        import jax
+
+        return jax.devices()[0].platform != "cpu"
+    if BACKEND == "torch":
+        import torch
+
+        return torch.cuda.is_available()
+    return False
+
+
 def compiled(model, **options):
     model.compile(optimizer="adam", loss="mse", **options)
     return model
@@ -36,12 +48,16 @@ def test_a_clean_model_passes_under_each_policy(policy):
     report = verify(model, X, Y, policy=policy, trials=8)
     assert report.ok, str(report)
     assert len(report.units) == 2 and report.trials == 8
-    if policy == "attention_core" and (report.peak_source or "").startswith("measured"):
-        # A GPU's allocator: at this size the step's peak is the weights and cuBLAS's workspaces, and the attention's
-        # few kept bytes are lost in them (the H200: plain 69.9 MB, attention_core 33 KB more).
-        assert 0 < report.recomputed_peak <= 1.01 * report.plain_peak, str(report)
+    if policy != "full" and on_a_gpu():
+        # At this size a GPU step's peak is the weights and the matmuls' workspaces, and what save_dots and
+        # attention_core free is lost in them. The H200: PyTorch's allocator, plain 69.9 MB and attention_core 33 KB
+        # more; XLA's figures, plain 35.6 MB, save_dots 36.1 and attention_core 36.0.
+        assert 0 < report.recomputed_peak <= 1.02 * report.plain_peak, str(report)
     else:
         assert report.plain_peak > report.recomputed_peak > 0, str(report)  # measured, or predicted on a CPU
+        assert "x lower)" in str(report)
+        report.recomputed_peak = report.plain_peak + 1  # as on a GPU: the report says nothing was saved
+        assert "1.00x higher: nothing saved" in str(report)
     assert [row["unit"] for row in report.rows][:2] == report.units
     assert report.plain_seconds > 0 and report.recomputed_seconds > 0
     assert "verdict: OK" in str(report)
