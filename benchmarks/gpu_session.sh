@@ -74,13 +74,20 @@ for item in $fit_list; do
     --budget-mb 16384 --options ${options//,/ } --verify --out "$work/largest_fit_bert_base_16gib_$backend.json" \
     >"$work/largest_fit_bert_base_16gib_$backend.log" 2>&1 &
 done
+# What each policy adds to the step by XLA's own count on the GPU's compiler (`xla_costs.py`: nothing timed, so it
+# may share the GPU): two BERT-base blocks at batch 32, dropout 0 and 0.1. GPU_SESSION_COSTS: dtypes; "" skips.
+for dtype in ${GPU_SESSION_COSTS-"mixed_bfloat16"}; do
+  timeout -k 10 "$phase_a" python3 benchmarks/xla_costs.py --blocks 2 --batch 32 --dtype "$dtype" --dropout 0 0.1 \
+    --out "$work/xla_costs_bert_blocks_${dtype}_gpu.json" >"$work/xla_costs_$dtype.log" 2>&1 &
+done
 wait
 for log in "$work"/suite_*.log; do echo "== $log"; grep -E "^(FAILED|ERROR)|passed|failed|\[ *[0-9]+%\]" "$log" | tail -n 30; done
-cat "$work"/first_step_*.log "$work"/largest_fit_*.log 2>/dev/null
+cat "$work"/first_step_*.log "$work"/largest_fit_*.log "$work"/xla_costs_*.log 2>/dev/null
 keep
 
 # Phase B: one at a time (timed). Each item is shape:backend:dtype:box:methods[:flag]; shapes:
 #   bert  BERT-base, seq 512, batch 32 (`backends.py --bert-base`; backend hf: `hf_bert.py`, the peer)
+#   bert0 the same without dropout: how much of a policy's time is drawing the dropout masks again
 #   long  48 blocks x 768, seq 2048, batch 2: offload's shape (issue 39, step 3); there weights and Adam's
 #         slots (5.8 GB) outweigh the 300 MB of inputs offload moves, and it saved nothing (2026-11-26)
 #   deep  96 blocks x 256, seq 256, batch 64: a shape where the kept inputs (0.8 GB) are a large part of the peak
@@ -92,6 +99,7 @@ for item in $speed_list; do
   case "$shape:$backend" in
     bert:hf) command="benchmarks/hf_bert.py --seq 512 --batch 32" ;;
     bert:*) command="benchmarks/backends.py --backend $backend --bert-base --seq 512 --batch 32" ;;
+    bert0:*) command="benchmarks/backends.py --backend $backend --bert-base --seq 512 --batch 32 --dropout 0" ;;
     long:*) command="benchmarks/backends.py --backend $backend --blocks 48 --hidden 768 --heads 12 --ffn 3072 --seq 2048 --batch 2" ;;
     deep:*) command="benchmarks/backends.py --backend $backend --blocks 96 --hidden 256 --heads 4 --ffn 1024 --seq 256 --batch 64" ;;
     *) echo "unknown shape in $item"; continue ;;
