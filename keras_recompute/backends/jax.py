@@ -48,8 +48,9 @@ What else needs care:
     outputs leave the program as extra outputs and are attached outside.
 """
 
+import contextlib
 import functools
-
+import threading
 import warnings
 
 import jax
@@ -125,9 +126,12 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full", offload
 
     # Traces the call (the only time Python runs it); every value it closes
     # over (weights, seeds, masks, outer tracers) becomes an explicit argument.
-    closed, shapes = jax.make_jaxpr(pure, return_shape=True)(*[leaves[i] for i in positions])
+    masks = _masks_named() if _policy.keeps_dropout_masks(policy) else contextlib.nullcontext([])
+    with masks as named:
+        closed, shapes = jax.make_jaxpr(pure, return_shape=True)(*[leaves[i] for i in positions])
     closed = closed.replace(jaxpr=_without_refused_dot_algorithms(closed.jaxpr))
-    flat = _recompute(closed.jaxpr, policy, offload)(*closed.consts, *[leaves[i] for i in positions])
+    recomputed = _recompute(closed.jaxpr, policy, offload, keep_masks=bool(named))
+    flat = recomputed(*closed.consts, *[leaves[i] for i in positions])
     arrays, updates, losses, masks = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shapes), flat)
 
     for variable, value in zip(traced["variables"], updates):
@@ -210,7 +214,60 @@ def _refused(precision, lhs_dtype, rhs_dtype, preferred_element_type):
     return False
 
 
-def _recompute(jaxpr, policy, offload=False):
+# NOTE [ dropout masks under the policies on JAX ]
+# Under `"save_dots"` and for the cores of `"attention_core"` (NOTE [ policies ]), which trade
+# memory for time, the forward keeps each dropout's keep mask, packed to a bit an element (1/16
+# of the bfloat16 tensor it masks), and the recompute unpacks it instead of drawing it again.
+# Drawing again was most of what these policies' recompute moved: XLA's cost analysis of two
+# BERT-base blocks in mixed_bfloat16 at batch 4 (benchmarks/xla_costs.py) had `save_dots` move
+# 1.32x plain's bytes with dropout 0.1 and 1.16x without; on the H200 it took 1.46x plain's time,
+# `full`'s 1.48x. While such a call is traced, Keras's JAX dropout runs as `_dropout`: Keras's own
+# draw (`bernoulli` from the same seed, so the same mask and values as the plain call), then the
+# mask packed (`jnp.packbits`), named for `jax.checkpoint`'s policy (`checkpoint_name`), unpacked
+# and applied as Keras applies it. The policy saves the named masks beside what it saved before
+# (`"save_dots"`: the matmul outputs), and the draw, which only the mask needs, is left out of
+# the recompute. Keras's function is replaced once, for good; it acts as before when no such
+# call is traced in its thread. `"full"` keeps the least and draws them again.
+_MASK_NAME = "keras_recompute_dropout_mask"
+_NAMING = threading.local()  # .calls: for each traced call that keeps its masks, outermost first, the masks named
+
+
+@contextlib.contextmanager
+def _masks_named():
+    """Within it, Keras's dropout in this thread keeps its masks for the recompute; yields the list of them."""
+    from keras.src.backend.jax import random as jax_random
+
+    if jax_random.dropout is not _dropout:
+        _dropout.original = jax_random.dropout
+        jax_random.dropout = _dropout
+    calls = _NAMING.__dict__.setdefault("calls", [])
+    calls.append([])
+    try:
+        yield calls[-1]
+    finally:
+        calls.pop()
+
+
+def _dropout(inputs, rate, noise_shape=None, seed=None):
+    """Keras's JAX dropout, its keep mask packed and named for the recompute (NOTE [ dropout masks under the policies on JAX ])."""
+    from jax.ad_checkpoint import checkpoint_name
+    from keras.src.backend.jax import random as jax_random
+
+    calls = getattr(_NAMING, "calls", None)
+    if not calls or not isinstance(rate, float) or rate in (0.0, 1.0):
+        return _dropout.original(inputs, rate, noise_shape=noise_shape, seed=seed)
+    seed = jax_random.jax_draw_seed(seed)
+    keep_prob = 1.0 - rate
+    noise_shape = jax_random._get_concrete_noise_shape(inputs, noise_shape)
+    mask = jax.random.bernoulli(seed, p=keep_prob, shape=noise_shape)
+    bits = checkpoint_name(jnp.packbits(mask, axis=None), _MASK_NAME)
+    calls[-1].append(bits)
+    mask = jnp.unpackbits(bits, count=mask.size).reshape(mask.shape).astype(bool)
+    mask = jnp.broadcast_to(mask, inputs.shape)
+    return jax.lax.select(mask, inputs / keep_prob, jnp.zeros_like(inputs))
+
+
+def _recompute(jaxpr, policy, offload=False, keep_masks=False):
     """`jaxpr` as a function whose backward pass evaluates it again.
 
     With `offload`, the residuals that are not closed-over values (the call's
@@ -245,8 +302,13 @@ def _recompute(jaxpr, policy, offload=False):
         # which depend on the seeds alone, are drawn at the start of the step.
         return (*_wait(args[:num_consts], _zero_from(args[num_consts:]), floats=False), *args[num_consts:])
 
-    if policy == _policy.SAVE_DOTS:
-        saving = jax.checkpoint(run, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    policies = jax.checkpoint_policies
+    saved = policies.dots_with_no_batch_dims_saveable if policy == _policy.SAVE_DOTS else None
+    if keep_masks:  # NOTE [ dropout masks under the policies on JAX ]
+        masks = policies.save_only_these_names(_MASK_NAME)
+        saved = masks if saved is None else policies.save_from_both_policies(saved, masks)
+    if saved is not None:
+        saving = jax.checkpoint(run, policy=saved)
 
         def forward(*args):
             outputs, linearized = jax.vjp(saving, *waited_seeds(args))
