@@ -86,6 +86,11 @@ def xla_temp_bytes(model, inputs, labels):
     which the process's RSS follows (until 2026-11-26 the JAX rows of
     `largest_fit.py`, `budget.py` and `models.py` were measured undonated).
     """
+    return compiled_train_step(model, inputs, labels).memory_analysis().temp_size_in_bytes
+
+
+def compiled_train_step(model, inputs, labels):
+    """JAX: Keras's training step of `model` compiled as its trainer compiles it, the state donated (`xla_temp_bytes`)."""
     import jax
 
     state = (
@@ -94,8 +99,7 @@ def xla_temp_bytes(model, inputs, labels):
         [v.value for v in model.optimizer.variables],
         [v.value for v in model.metrics_variables],
     )
-    compiled = jax.jit(model.train_step, donate_argnums=0).lower(state, (inputs, labels)).compile()
-    return compiled.memory_analysis().temp_size_in_bytes
+    return jax.jit(model.train_step, donate_argnums=0).lower(state, (inputs, labels)).compile()
 
 
 def torch_step_peak(step, live):
