@@ -51,8 +51,9 @@ def keeps_dropout_masks(policy):
     in `backends/tensorflow.py`), and on JAX, a bit an element (NOTE [ dropout
     masks under the policies on JAX ] in `backends/jax.py`: drawing them again
     was most of the bytes these policies' recompute moved, and on an H200 as
-    much time as `"full"`'s). `"full"` keeps the least and draws them again. An attention core recomputed under `"attention_core"` is a
-    `"full"` call made inside `cores_recomputed`, which keeps them too.
+    much time as `"full"`'s). `"full"` keeps the least and draws them again.
+    An attention core recomputed under `"attention_core"` is a `"full"` call
+    made inside `cores_recomputed`, which keeps them too.
     """
     return policy == SAVE_DOTS or getattr(_STATE, "cores", 0) > 0
 

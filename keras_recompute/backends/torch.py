@@ -74,8 +74,10 @@ class _TreeWithoutCycles:
     def __init__(self, module):
         self._module = module
 
-    def __getattr__(self, name):
-        return getattr(self._module, name)
+    def __getattr__(self, name):  # once per name: Keras's tree reads them at every layer call
+        value = getattr(self._module, name)
+        setattr(self, name, value)
+        return value
 
     def tree_flatten(self, tree, is_leaf=None):
         if is_leaf is None:
