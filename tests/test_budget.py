@@ -502,9 +502,12 @@ def test_the_torch_update_is_measured(name):
             gc.enable()
     weights = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)
     predicted = _memory.resident_bytes(model, x) + weights + _memory._update_bytes(model)  # weights' gradients and update
-    # Within a third of the weights (a factor off by one is all of them): in the whole module SGD's step read, from
-    # one run to the next, 0 or 259 KB (about one of its three kernels) over; alone, 0 every time. Not explained.
-    assert abs(peak - predicted) < 0.34 * weights, (name, (peak - predicted) / weights)
+    # A factor off by one is all of the weights. The CPU's records read every optimizer within 0.4% of them (SGD's
+    # 3 KB); they read 0.66x of them low, or a third high, depending on the tests before, until the trace left out
+    # the frees it misread (NOTE [ frees the profiler misreads ]). A GPU's allocator peak: a third, never measured
+    # closer.
+    tolerance = 0.34 if torch.cuda.is_available() else 0.02
+    assert abs(peak - predicted) < tolerance * weights, (name, (peak - predicted) / weights)
 
 
 def test_memory_report_takes_a_model():
