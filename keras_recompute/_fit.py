@@ -38,9 +38,23 @@ and Grappler's rewrites. PyTorch's units are measured whole, forward
 and backward (NOTE [ measuring a unit on PyTorch ]): its steps measured
 1.02-1.08x their prediction.
 An answer that runs out of
-memory costs more than one a little smaller, so by default the predicted
-peak must fit 90% of the budget (`headroom=0.1`); `headroom=0` answers
-against the whole budget.
+memory costs more than one a little smaller, so a headroom is kept for the
+prediction's error (NOTE [ the headroom ]).
+
+NOTE [ the headroom ]
+The error is in what the size adds: the weights, the optimizer's slots and
+the gradients are counted from the variables, while the activations and the
+transients are extrapolated from small sizes and, on TensorFlow, depend on
+the order its executor picks. So `headroom` is a fraction of the room the
+size can take, the budget above what the step holds at size 0 (`fixed`, the
+fitted model there), not of the whole budget: a peak is answered if it fits
+`usable(budget, fixed, headroom)`. Where the weights and Adam's slots take
+half the budget (bert4keras BERT-base in 2500 MiB: 1.3 GB), a tenth of the
+whole budget kept 21% of the activations' room free and answered `full` at
+40 where real runs bisected 47; where they take 80% of a GPU (a large model
+fine-tuned), it would keep half of it. The steps run at the answers measured
+up to 7% of that room over their prediction on the CPU (docs/benchmarks.md,
+"The largest fit"): the default keeps 10% (`HEADROOM`).
 
 Where a compiler states a step's peak (JAX, compiled), the answers are its:
 the measured models are calibrated to it at each size (NOTE [ calibrating
@@ -66,8 +80,11 @@ class FitReport:
     Attributes:
         axis: `"batch"` or `"sequence"`.
         budget: the budget, in bytes.
-        headroom: the fraction of the budget kept free for the prediction's
-            error; sizes are answered against `usable`, `budget * (1 - headroom)`.
+        fixed: the predicted peak at size 0 (weights, optimizer slots,
+            gradients, the update), in bytes.
+        headroom: the fraction of the room above `fixed` kept free for the
+            prediction's error (NOTE [ the headroom ]); sizes are answered
+            against `usable`, `budget - headroom * (budget - fixed)`.
         sizes: the sizes measured.
         rows: one dict per option (`"none"`, each policy, `"plan"`):
             `"option"`, `"largest"` (the largest size whose predicted peak
@@ -79,12 +96,15 @@ class FitReport:
             `"compiled"`), and `execution_reason` why.
     """
 
-    def __init__(self, title, axis, budget, sizes, rows, execution, execution_reason, multiple_of=1, headroom=0.0):
+    def __init__(
+        self, title, axis, budget, sizes, rows, execution, execution_reason, multiple_of=1, headroom=0.0, fixed=0.0
+    ):
         self.title = title
         self.axis = axis
         self.budget = budget
         self.headroom = headroom
-        self.usable = budget * (1 - headroom)
+        self.fixed = fixed
+        self.usable = usable(budget, fixed, headroom)
         self.sizes = list(sizes)
         self.rows = rows
         self.execution = execution
@@ -115,7 +135,8 @@ class FitReport:
             self.title,
             f"budget {_budget.format_bytes(self.budget)} for a training step run "
             f"{'eagerly' if self.execution == 'eager' else 'compiled'} ({self.execution_reason})"
-            + (f", {100 * self.headroom:.0f}% of it kept for the prediction's error: peaks predicted within "
+            + (f", {100 * self.headroom:.0f}% of the room above the {_budget.format_bytes(self.fixed)} it holds at "
+               f"{unit} 0 kept for the prediction's error: peaks predicted within "
                f"{_budget.format_bytes(self.usable)}; " if self.headroom else "; ")
             + f"measured at {unit} {', '.join(map(str, self.sizes))} and fitted by a polynomial of degree "
             f"{DEGREES[self.axis]} in it",
@@ -142,6 +163,11 @@ def _plan_text(policies):
             runs.append(name if count == 1 else f"{name} x{count}")
         previous, count = policy, 1
     return " ".join(runs)
+
+
+def usable(budget, fixed, headroom):
+    """What a predicted peak must fit: `budget` less `headroom` of the room above `fixed` (NOTE [ the headroom ])."""
+    return budget - headroom * max(0.0, budget - fixed)
 
 
 # Fitting a measured `_budget.Model` as a function of the size.

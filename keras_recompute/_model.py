@@ -374,10 +374,12 @@ def largest_fit(
         multiple_of: answer in multiples of this (a sequence length your
             model needs to be a multiple of 8, say).
         limit: the largest size searched.
-        headroom: the fraction of `budget` kept free for the prediction's
-            error (about 10% either way, measured): sizes are answered whose
-            predicted peak fits `budget * (1 - headroom)`. 0 answers against
-            the whole budget.
+        headroom: the fraction kept free for the prediction's error of the
+            room the size can take, the budget above what the step holds at
+            size 0 (its weights, optimizer slots and gradients): sizes are
+            answered whose predicted peak fits `budget - headroom * (budget -
+            fixed)` (the steps run measured up to 7% of that room over their
+            prediction). 0 answers against the whole budget.
 
     Returns:
         A `FitReport`: `print(report)` shows the table; `report.largest("full")`
@@ -399,7 +401,6 @@ def largest_fit(
     ```
     """
     budget_bytes, sizes = _fit.check_arguments(axis, sizes, budget, multiple_of, headroom)
-    usable = budget_bytes * (1 - headroom)
     options = _fit.default_options() if options is None else list(options)
     for option in options:
         if option != _budget.NONE:
@@ -411,15 +412,16 @@ def largest_fit(
         # (a model not built yet is measured first: the fit below says it).
         resident = [_memory.resident_unmeasured(model, inputs) for inputs in batches]
         least = _fit._evaluate(_fit.polynomial(sizes, resident, _fit.DEGREES[axis]), multiple_of)
-        if usable < least:
+        if budget_bytes < least:
             raise ValueError(
-                f"keras_recompute: largest_fit(budget={budget!r})"
-                + (f", less its headroom ({headroom:.0%}: {_budget.format_bytes(usable)})," if headroom else "")
-                + f" is below the least peak any plan reaches at {axis} {multiple_of}: the weights, optimizer and "
-                f"inputs alone take {_budget.format_bytes(least)}. Allow more memory, or use a smaller model."
+                f"keras_recompute: largest_fit(budget={budget!r}) is below the least peak any plan reaches at {axis} "
+                f"{multiple_of}: the weights, optimizer and inputs alone take {_budget.format_bytes(least)}. Allow "
+                f"more memory, or use a smaller model."
             )
         measured = [_calibrated_costs(model, units, inputs, execution, offload) for inputs in batches]
         fitted = _fit.FittedModel(sizes, measured, _fit.DEGREES[axis])
+        fixed = fitted.at(0).peak([_budget.NONE] * len(fitted.names))
+        usable = _fit.usable(budget_bytes, fixed, headroom)
         rows = _fit.fit_rows(fitted, usable, options, plan, limit, multiple_of)
         if _memory.states_compiled_peak(model, execution):  # each answer checked by compiling the step there
             compiled = {}
@@ -441,13 +443,14 @@ def largest_fit(
         floor = fitted.at(multiple_of).floor()
         raise ValueError(
             f"keras_recompute: largest_fit(budget={budget!r})"
-            + (f", less its headroom ({headroom:.0%}: {_budget.format_bytes(usable)})," if headroom else "")
+            + (f", less its headroom ({headroom:.0%} of the room above the {_budget.format_bytes(fixed)} held at "
+               f"{axis} 0: {_budget.format_bytes(usable)})," if headroom else "")
             + f" is below the least peak any plan reaches at "
             f"{axis} {multiple_of}: {_budget.format_bytes(floor)} (weights, optimizer and inputs alone: "
             f"{_budget.format_bytes(fitted.at(multiple_of).resident)}). Allow more memory, or use a smaller model."
         )
     title = f"keras_recompute largest fit: {model.name!r}, {len(fitted.names)} units, {_memory._backend_name(model)}"
-    return _fit.FitReport(title, axis, budget_bytes, sizes, rows, execution, reason, multiple_of, headroom)
+    return _fit.FitReport(title, axis, budget_bytes, sizes, rows, execution, reason, multiple_of, headroom, fixed)
 
 
 def _flatten(structure):

@@ -221,13 +221,23 @@ def test_bad_arguments_say_what_and_how(arguments, match):
         _fit.check_arguments(values["axis"], values["sizes"], values["budget"], values["multiple_of"], values["headroom"])
 
 
-def test_the_headroom_is_left_free_and_said():
+def test_the_headroom_is_a_fraction_of_the_room_above_what_size_0_holds():
+    """NOTE [ the headroom ]: 10% of the 600 MB above a fixed 300 MB is kept, 840 MB usable (a tenth of the whole
+    budget would leave 810 MB: 20% of the room the size can take)."""
+    assert _fit.usable(900 * MB, 300 * MB, 0.1) == pytest.approx(840 * MB)
+    assert _fit.usable(900 * MB, 0, 0.1) == pytest.approx(810 * MB)
+    assert _fit.usable(900 * MB, 300 * MB, 0.0) == 900 * MB
+    assert _fit.usable(900 * MB, 950 * MB, 0.1) == 900 * MB  # nothing above it: nothing to keep
     fit = fitted([2, 4, 8], 1)
     whole = _fit.fit_rows(fit, 900 * MB, ["full"], plan=False, limit=5000)[0]
-    kept = _fit.fit_rows(fit, 0.9 * 900 * MB, ["full"], plan=False, limit=5000)[0]
-    assert kept["largest"] < whole["largest"] and kept["predicted_peak"] <= 0.9 * 900 * MB < kept["next_peak"]
-    report = _fit.FitReport("title", "batch", 900 * MB, [2, 4, 8], [kept], "eager", "eager", headroom=0.1)
-    assert "10% of it kept for the prediction's error: peaks predicted within 810.0 MB" in str(report)
+    kept = _fit.fit_rows(fit, 840 * MB, ["full"], plan=False, limit=5000)[0]
+    assert kept["largest"] < whole["largest"] and kept["predicted_peak"] <= 840 * MB < kept["next_peak"]
+    report = _fit.FitReport("title", "batch", 900 * MB, [2, 4, 8], [kept], "eager", "eager", headroom=0.1, fixed=300 * MB)
+    assert report.usable == pytest.approx(840 * MB)
+    assert (
+        "10% of the room above the 300.0 MB it holds at batch 0 kept for the prediction's error: peaks predicted "
+        "within 840.0 MB" in str(report)
+    )
 
 
 def flatten(structure):
