@@ -59,6 +59,7 @@ def parse_args(argv=None):
     parser.add_argument("--child", choices=("predict", "step"), help=argparse.SUPPRESS)
     parser.add_argument("--option", help=argparse.SUPPRESS)
     parser.add_argument("--at", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--usable", type=int, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
@@ -130,7 +131,8 @@ def child_predict(args):
                          sizes=args.sizes or SIZES[AXIS[args.model]], options=options, plan="plan" in args.options,
                          headroom=args.headroom, multiple_of=args.multiple_of)
     seconds = time.perf_counter() - started
-    print(json.dumps({"rows": report.rows, "seconds": seconds, "execution": report.execution, "text": str(report)}))
+    print(json.dumps({"rows": report.rows, "seconds": seconds, "execution": report.execution, "text": str(report),
+                      "fixed": report.fixed, "usable": report.usable}))
 
 
 def child_step(args):
@@ -140,8 +142,7 @@ def child_step(args):
     model, make = build(args)
     inputs, labels = make(args.at)
     if args.option == "plan":  # what a user does with the answer: plan at that size, for the same usable budget
-        usable = int(args.budget_mb * 2**20 * (1 - args.headroom))
-        keras_recompute.recompute_model(model, budget=usable, inputs=inputs, enabled=True)
+        keras_recompute.recompute_model(model, budget=args.usable, inputs=inputs, enabled=True)
     elif args.option != "none":
         keras_recompute.recompute_model(model, policy=args.option, enabled=True)
     backend = "tensorflow" if args.model == "bert4keras" else args.backend
@@ -186,14 +187,14 @@ def main(argv=None):
     if "error" in predicted:
         raise SystemExit(f"largest_fit failed: {predicted['error']}")
     print(predicted["text"])
-    budget = args.budget_mb * 2**20
+    budget, usable = args.budget_mb * 2**20, predicted["usable"]
     results = []
     for row in predicted["rows"]:
         record = {key: row.get(key) for key in ("option", "largest", "predicted_peak", "next_peak", "residual", "policies", "note")}
         if args.verify and row.get("largest"):
             for key, size in (("at_largest", row["largest"]), ("at_next", row["largest"] + args.multiple_of)):
-                step = _measure.run(script, base + ["--child", "step", "--option", row["option"], "--at", size], backend,
-                                    label=f"{row['option']} at {size}")
+                step = _measure.run(script, base + ["--child", "step", "--option", row["option"], "--at", size,
+                                                    "--usable", int(usable)], backend, label=f"{row['option']} at {size}")
                 record[key] = step
             fitted = record["at_largest"]
             if "error" not in fitted:
@@ -201,7 +202,7 @@ def main(argv=None):
                 record["fits_budget"] = fitted["peak"] <= budget
             following = record["at_next"]
             if "error" not in following:
-                record["next_fits_usable"] = following["peak"] <= budget * (1 - args.headroom)
+                record["next_fits_usable"] = following["peak"] <= usable
         results.append(record)
     if args.verify:
         print(f"\n{'option':16} {'largest':>8} {'predicted':>10} {'measured':>10} {'ratio':>6} {'under budget':>12} {'next measured':>13}")
@@ -219,6 +220,7 @@ def main(argv=None):
     arguments["backend"] = backend
     arguments["prediction_seconds"] = predicted["seconds"]
     arguments["execution"] = predicted["execution"]
+    arguments["fixed_bytes"], arguments["usable_bytes"] = predicted["fixed"], usable  # NOTE [ the headroom ]
     _measure.write_json(args.out, arguments, results)
 
 
