@@ -58,7 +58,7 @@ def parse_args(argv=None):
     parser.add_argument("--seq", type=int, default=128, help="the BERTs' sequence length")
     parser.add_argument("--batch", type=int, default=1, help="gemma-lora's batch")
     parser.add_argument("--options", nargs="+", default=list(OPTIONS) + ["plan"])
-    parser.add_argument("--headroom", type=float, default=0.1, help="largest_fit's headroom (default 0.1)")
+    parser.add_argument("--headroom", type=float, help="largest_fit's headroom (default: largest_fit's, 0.1; 0.25 on TensorFlow)")
     parser.add_argument("--multiple-of", type=int, default=1, help="answer in multiples of this")
     parser.add_argument("--verify", action="store_true", help="run a step at each predicted size and the next")
     parser.add_argument("--out", help="also write the results as JSON to this file")
@@ -138,7 +138,7 @@ def child_predict(args):
                          headroom=args.headroom, multiple_of=args.multiple_of)
     seconds = time.perf_counter() - started
     print(json.dumps({"rows": report.rows, "seconds": seconds, "execution": report.execution, "text": str(report),
-                      "fixed": report.fixed, "usable": report.usable}))
+                      "fixed": report.fixed, "usable": report.usable, "headroom": report.headroom}))
 
 
 def child_step(args):
@@ -173,8 +173,9 @@ def child_step(args):
 
 def _child_arguments(args):
     arguments = [args.model, "--backend", args.backend, "--size", args.size, "--budget-mb", args.budget_mb,
-                 "--seq", args.seq, "--batch", args.batch, "--headroom", args.headroom, "--multiple-of", args.multiple_of,
-                 "--options", *args.options]
+                 "--seq", args.seq, "--batch", args.batch, "--multiple-of", args.multiple_of, "--options", *args.options]
+    if args.headroom is not None:
+        arguments += ["--headroom", args.headroom]
     if args.sizes:
         arguments += ["--sizes", *args.sizes]
     return arguments
@@ -234,6 +235,7 @@ def main(argv=None):
     arguments["prediction_seconds"] = predicted["seconds"]
     arguments["execution"] = predicted["execution"]
     arguments["fixed_bytes"], arguments["usable_bytes"] = predicted["fixed"], usable  # NOTE [ the headroom ]
+    arguments["headroom"] = predicted["headroom"]
     _measure.write_json(args.out, arguments, results)
 
 

@@ -140,10 +140,13 @@ def test_the_predicted_largest_size_fits_and_the_next_does_not(axis):
     sizes = (2, 4, 8) if axis == "batch" else (32, 64, 96, 128)
     budget = BATCH_BUDGET.get(BACKEND, 64 * 2**20) if axis == "batch" else 24 * 2**20
     report = largest_fit(model, budget, make, axis=axis, sizes=sizes, options=["none", "full"])
-    assert isinstance(report, FitReport) and "10% of the room above" in str(report)
-    # What size 0 holds, the headroom's base (NOTE [ the headroom ]): the weights and more, less than the least size's.
+    # The default headroom (NOTE [ the headroom ]): a quarter of the room above what size 0 holds on TensorFlow, a tenth
+    # elsewhere; size 0 holds the weights and more, less than the least size.
+    headroom = 0.25 if BACKEND == "tensorflow" else 0.1
+    assert isinstance(report, FitReport) and f"{100 * headroom:.0f}% of the room above" in str(report)
     weights = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)
-    assert 2 * weights <= report.fixed < report.budget and report.usable == report.budget - 0.1 * (report.budget - report.fixed)
+    assert 2 * weights <= report.fixed < report.budget
+    assert report.usable == report.budget - headroom * (report.budget - report.fixed)
     none, full = report.largest("none"), report.largest("full")
     assert none is not None and full is not None and 8 < none < full, str(report)
     assert report.largest("plan") >= full, str(report)

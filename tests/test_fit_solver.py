@@ -221,6 +221,11 @@ def test_bad_arguments_say_what_and_how(arguments, match):
         _fit.check_arguments(values["axis"], values["sizes"], values["budget"], values["multiple_of"], values["headroom"])
 
 
+def test_the_default_headroom_keeps_more_on_tensorflow():
+    assert _fit.default_headroom("tf_keras") == _fit.default_headroom("Keras 3 on tensorflow") == 0.25
+    assert _fit.default_headroom("Keras 3 on jax") == _fit.default_headroom("Keras 3 on torch") == 0.1
+
+
 def test_the_headroom_is_a_fraction_of_the_room_above_what_size_0_holds():
     """NOTE [ the headroom ]: 10% of the 600 MB above a fixed 300 MB is kept, 840 MB usable (a tenth of the whole
     budget would leave 810 MB: 20% of the room the size can take)."""
