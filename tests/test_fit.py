@@ -127,8 +127,8 @@ TOLERANCE = {("sequence", "tensorflow"): (0.35, 0.15), ("batch", "tensorflow"): 
              ("sequence", "torch"): (0.15, 0.10), ("batch", "torch"): (0.20, 0.10),
              ("sequence", "jax"): (0.02, 0.02), ("batch", "jax"): (0.02, 0.02)}
 # The batch budget: XLA's plain step at batch 8 already peaks at 62 MB, so JAX's is larger (an answer past the sizes
-# measured: extrapolated, not read off).
-BATCH_BUDGET = {"jax": 96 * 2**20}
+# measured: extrapolated, not read off); TensorFlow keeps a quarter of the room for the prediction's error, not a tenth.
+BATCH_BUDGET = {"jax": 96 * 2**20, "tensorflow": 72 * 2**20}
 
 
 @pytest.mark.parametrize("axis", ["batch", "sequence"])
