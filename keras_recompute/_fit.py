@@ -49,10 +49,10 @@ the order its executor picks. So `headroom` is a fraction of the room the
 size can take, the budget above what the step holds at size 0 (`fixed`, the
 fitted model there), not of the whole budget: a peak is answered if it fits
 `usable(budget, fixed, headroom)`. Where the weights and Adam's slots take
-half the budget (bert4keras BERT-base in 2500 MiB: 1.3 GB), a tenth of the
-whole budget kept 21% of the activations' room free and answered `full` at
-40 where real runs bisected 47; where they take 80% of a GPU (a large model
-fine-tuned), it would keep half of it. On JAX (each answer compiled) and
+most of the budget (bert4keras BERT-base in 2500 MiB: 1543 MiB at batch
+0), a tenth of the whole budget kept 26% of the activations' room free;
+where they take 80% of a GPU (a large model fine-tuned), it would keep half
+of it. On JAX (each answer compiled) and
 PyTorch the steps run at the answers measured 8% of that room under their
 prediction to 5% over (docs/benchmarks.md, "The largest fit"): the default
 keeps 10% there (`HEADROOM`). TensorFlow needs more. Its executor orders a
