@@ -33,7 +33,7 @@ def parse_args(argv=None):
     parser.add_argument("--size", choices=("base", "small"), default="small")
     parser.add_argument("--at", type=int, required=True, help="the batch (BERT) or sequence length (Gemma)")
     parser.add_argument("--option", default="none", help="none, a policy, or plan")
-    parser.add_argument("--budget-mb", type=float, default=256.0, help="the plan's budget (--option plan)")
+    parser.add_argument("--budget-mb", type=float, default=256.0, help="the plan's budget (--option plan): the usable budget a largest_fit answered against (usable_bytes)")
     parser.add_argument("--out", help="also write the results as JSON to this file")
     return parser.parse_args(argv)
 
@@ -119,7 +119,7 @@ def main(argv=None):
     model, make = largest_fit.build(build_args)
     inputs, labels = make(args.at)
     if args.option == "plan":
-        keras_recompute.recompute_model(model, budget=int(args.budget_mb * MiB * 0.9), inputs=inputs, enabled=True)
+        keras_recompute.recompute_model(model, budget=int(args.budget_mb * MiB), inputs=inputs, enabled=True)
     elif args.option != "none":
         keras_recompute.recompute_model(model, policy=args.option, enabled=True)
     model.train_on_batch(inputs, labels)
