@@ -23,7 +23,7 @@ profiler's allocation records; on a GPU, the device allocator). On
 TensorFlow the step at the answer runs once more with the allocator limited
 to the budget (`TF_CPU_BFC_MEM_LIMIT_IN_MB`), as on a device and as
 `max_batch.py` bisects: its executor orders a graph's ops differently from
-run to run, so the peak of an unlimited step moves by up to a sixth of the
+run to run, so the peak of an unlimited step moved by 12% of the
 activations' room, while a limited allocator waits for frees before it
 fails. There `fits_budget` is that run's: it ran, within the budget.
 
