@@ -196,22 +196,23 @@ def main(argv=None):
     print(predicted["text"])
     budget, usable = args.budget_mb * 2**20, predicted["usable"]
     results = []
+
+    def step(option, size, extra_env=None, where=""):  # one training step in a child of its own
+        arguments = base + ["--child", "step", "--option", option, "--at", size, "--usable", int(usable)]
+        return _measure.run(script, arguments, backend, extra_env=extra_env, label=f"{option} at {size}{where}")
+
     for row in predicted["rows"]:
         record = {key: row.get(key) for key in ("option", "largest", "predicted_peak", "next_peak", "residual", "policies", "note")}
         if args.verify and row.get("largest"):
             for key, size in (("at_largest", row["largest"]), ("at_next", row["largest"] + args.multiple_of)):
-                step = _measure.run(script, base + ["--child", "step", "--option", row["option"], "--at", size,
-                                                    "--usable", int(usable)], backend, label=f"{row['option']} at {size}")
-                record[key] = step
+                record[key] = step(row["option"], size)
             fitted = record["at_largest"]
             if "error" not in fitted:
                 record["measured_over_predicted"] = fitted["peak"] / row["predicted_peak"]
                 record["fits_budget"] = fitted["peak"] <= budget
             if backend == "tensorflow":  # as on a device: the allocator limited to the budget (what max_batch.py bisects)
-                limited = _measure.run(script, base + ["--child", "step", "--option", row["option"], "--at", row["largest"],
-                                                       "--usable", int(usable)], backend, label=f"{row['option']} at "
-                                       f"{row['largest']} in {args.budget_mb:.0f} MiB",
-                                       extra_env={"TF_CPU_BFC_MEM_LIMIT_IN_MB": str(int(args.budget_mb))})
+                limited = step(row["option"], row["largest"], {"TF_CPU_BFC_MEM_LIMIT_IN_MB": str(int(args.budget_mb))},
+                               f" in {args.budget_mb:.0f} MiB")
                 record["in_budget"] = limited
                 record["fits_budget"] = "error" not in limited and limited["peak"] <= budget
             following = record["at_next"]

@@ -174,9 +174,9 @@ def _plan_text(policies):
     return " ".join(runs)
 
 
-def default_headroom(backend_name):
-    """`HEADROOM`, or `HEADROOM_TENSORFLOW` for a model on TensorFlow (NOTE [ the headroom ])."""
-    return HEADROOM_TENSORFLOW if backend_name in ("tf_keras", "Keras 3 on tensorflow") else HEADROOM
+def default_headroom(backend):
+    """`HEADROOM`, or `HEADROOM_TENSORFLOW` where `backend` (`"tensorflow"`, `"jax"`, `"torch"`) is TensorFlow."""
+    return HEADROOM_TENSORFLOW if backend == "tensorflow" else HEADROOM
 
 
 def usable(budget, fixed, headroom):

@@ -402,7 +402,7 @@ def largest_fit(
     ```
     """
     if headroom is None:
-        headroom = _fit.default_headroom(_memory._backend_name(model))
+        headroom = _fit.default_headroom(_memory._module_name(_memory._measuring_backend(model)))
     budget_bytes, sizes = _fit.check_arguments(axis, sizes, budget, multiple_of, headroom)
     options = _fit.default_options() if options is None else list(options)
     for option in options:
