@@ -246,9 +246,11 @@ def retime(args):
 
 
 def _earlier(args):
-    """The methods of the run in `--out` (`--merge`): the same model and budget, or an error."""
+    """The methods of the run in `--out` (`--merge`): the same model and budget, or an error; none if it is not there yet."""
     import json
 
+    if not os.path.exists(args.out):
+        return {}
     with open(args.out) as source:
         data = json.load(source)
     same = ("model", "size", "seq", "budget_mb", "backend")

@@ -1,7 +1,9 @@
 """What each unit's options keep and cost, measured; `memory_report` shows it.
 
 NOTE [ measuring a model's units ]
-The costs are measured on the model itself, at the batch the user gives:
+The costs are measured on the model itself, at the batch the user gives (a
+large one at a quarter and a half of it, extrapolated: NOTE [ measuring below
+the batch ]):
   1. one forward of the model in training mode records each unit's call
      (its arguments, masks attached, the `training` of the call context where
      its `call` takes none, and the size of its outputs; not the call by which
@@ -250,15 +252,114 @@ def compiled_peak(model, inputs, measured, execution=COMPILED):
     return resident + _measuring_backend(model).step_bytes(model, inputs)  # the optimizer's update is in the step
 
 
-def costs(model, units, inputs, execution=COMPILED):
-    """The `_budget.Model` of `model` at `inputs` for `execution`, measured or cached, and the seconds measuring took."""
+def costs(model, units, inputs, execution=COMPILED, below=True):
+    """The `_budget.Model` of `model` at `inputs` for `execution`, measured or cached, and the seconds measuring took.
+
+    With `below`, a batch of `MEASURED_BELOW` rows or more is measured at a quarter and a half of itself where
+    measuring runs the units on the device, and extrapolated (NOTE [ measuring below the batch ]); without, it is
+    measured as it is (an extrapolation kept from before is not taken for a measurement).
+    """
     key = cache_key(units, inputs, execution)
-    cached = remembered(model, key)
-    if cached is not None:
-        return cached, 0.0
+    keys = (key, key + ("extrapolated",)) if below else (key,)
+    for cached in (remembered(model, k) for k in keys):
+        if cached is not None:
+            return cached, 0.0
     start = time.perf_counter()
-    measured = remember(model, key, _measure(model, units, inputs, _measuring_backend(model), execution))
+    parts = _measured_below(model, inputs) if below else None
+    if parts is not None:
+        from keras_recompute import _fit
+
+        batch, sizes, parts = parts
+        models = [costs(model, units, part, execution, below=False)[0] for part in parts]
+        fitted = _in_proportion(_fit.FittedModel(sizes, models, 1).at(batch), models[-1], batch / sizes[-1])
+        measured = remember(model, keys[-1], fitted)
+    else:
+        measured = remember(model, key, _measure(model, units, inputs, _measuring_backend(model), execution))
     return measured, time.perf_counter() - start
+
+
+# NOTE [ measuring below the batch ]
+# Measuring a unit runs its step without recompute at the batch measured,
+# while the measure holds the weights, the optimizer's slots and every unit's
+# inputs: more than a step that recomputes that unit holds. At the batch a
+# budget is for, planning needed more memory than the plan's training
+# (TensorFlow's BFC allocator on the CPU, 2026-11-28): bert4keras BERT-base at
+# batch 41, `recompute_model(budget=2261 MiB)` peaked at 2499.8 MiB while
+# planning and the plan's steps at 2257-2264; keras-hub BERT small at 66, at
+# 683.3 against 544-545. In the allocator limited to the budget, as a
+# device's is, planning ran out of memory where the plan it would have made
+# trains (that plan set by hand ran every time: keras-hub BERT small at 66 to
+# 74, bert4keras at 41). So where measuring runs the units on the device and
+# reads what they held (TensorFlow's allocator, PyTorch's profiler), a batch
+# of `MEASURED_BELOW` rows or more is measured at a quarter and at a half of
+# itself, every input cut along its first axis, and each figure of the two
+# `_budget.Model`s extrapolated to the batch along a line
+# (`_fit.FittedModel`, as `largest_fit` extrapolates from small batches: every
+# activation is a batch of rows, the weights and slots are the same at every
+# batch), the seconds in proportion to the half's (`_in_proportion`). Planning
+# then peaked at 1911.1 and 366.1 MiB, its plans predicted as measured whole
+# to 0.01 MiB (`tests/test_budget.py`: within 1%), and both plans ran in the
+# limited allocator. JAX is measured at the batch: its plans are checked by
+# compiling the step there, which allocates nothing. Inputs not all cut along
+# one first axis of one length, and a model whose inputs name their batch
+# size, are measured as they are. `largest_fit` measures its sizes as they
+# are: the fit is its own.
+MEASURED_BELOW = 8
+
+
+def _measured_below(model, inputs):
+    """`(batch, sizes, parts)`: `inputs` cut to a quarter and a half of its batch, or None to measure it as it is."""
+    if _module_name(_measuring_backend(model)) not in ("tensorflow", "torch"):
+        return None
+    leaves = list(_context.leaves(inputs))
+    shapes = [getattr(leaf, "shape", None) for leaf in leaves]
+    if not leaves or any(shape is None or len(shape) == 0 or shape[0] is None for shape in shapes):
+        return None
+    batches = {int(shape[0]) for shape in shapes}
+    batch = batches.pop()
+    if batches or batch < MEASURED_BELOW or _fixed_batch(model):
+        return None
+    sizes = (batch // 4, batch // 2)
+    try:
+        parts = [_cut(inputs, size) for size in sizes]
+    except (TypeError, ValueError, IndexError):  # a leaf that cannot be cut (a sparse tensor): measured whole
+        return None
+    return batch, sizes, parts
+
+
+def _fixed_batch(model):
+    """Whether `model`'s inputs name their batch size (`keras.Input(batch_size=...)`): it takes no other."""
+    for tensor in getattr(model, "inputs", None) or ():
+        shape = getattr(tensor, "shape", None)
+        if shape is not None and len(shape) > 0 and shape[0] is not None:
+            return True
+    return False
+
+
+def _in_proportion(fitted, half, scale):
+    """`fitted` with each option's seconds those of `half` times `scale`.
+
+    A line through two timings a few milliseconds apart, extrapolated to twice
+    the larger batch, can fall to nothing (keras-hub BERT small at 66:
+    `save_dots` 0 s where measured whole it took 0.31 s); a step's time grows
+    with its rows, and the larger batch's timing is the steadier.
+    """
+    units = []
+    for unit, measured in zip(fitted.units, half.units):
+        units.append(unit.like({
+            name: _budget.Option(name, option.kept, option.transient, measured.options[name].seconds * scale, option.forward)
+            for name, option in unit.options.items()
+        }))
+    return fitted.like(units)
+
+
+def _cut(tree, size):
+    """`tree` with every leaf's first `size` rows."""
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_cut(item, size) for item in tree)
+    if isinstance(tree, dict):
+        return type(tree)((key, _cut(item, size)) for key, item in tree.items())
+    return tree[:size]
 
 
 def cache_key(units, inputs, execution):

@@ -318,9 +318,13 @@ def _measuring_setup(model, blocks, execution, offload, where):
     return units, pieces, execution, reason
 
 
-def _calibrated_costs(model, units, inputs, execution, offload):
-    """The costs: measured (or cached), offload counted, calibrated; inside the pieces' `measuring()`."""
-    costs, _ = _memory.costs(model, units, inputs, execution)
+def _calibrated_costs(model, units, inputs, execution, offload, below=True):
+    """The costs: measured (or cached), offload counted, calibrated; inside the pieces' `measuring()`.
+
+    `below`: a large batch may be measured at a quarter and a half of it (NOTE [ measuring below the batch ] in
+    `_memory`); `largest_fit` measures each of its sizes as it is, its fit being its own.
+    """
+    costs, _ = _memory.costs(model, units, inputs, execution, below=below)
     costs, _ = _memory.with_offload(model, costs, offload)
     return _calibrated(model, units, inputs, costs, execution, offload)
 
@@ -421,7 +425,7 @@ def largest_fit(
                 f"{multiple_of}: the weights, optimizer and inputs alone take {_budget.format_bytes(least)}. Allow "
                 f"more memory, or use a smaller model."
             )
-        measured = [_calibrated_costs(model, units, inputs, execution, offload) for inputs in batches]
+        measured = [_calibrated_costs(model, units, inputs, execution, offload, below=False) for inputs in batches]
         fitted = _fit.FittedModel(sizes, measured, _fit.DEGREES[axis])
         fixed = fitted.at(0).peak([_budget.NONE] * len(fitted.names))
         usable = _fit.usable(budget_bytes, fixed, headroom)
