@@ -127,7 +127,7 @@ def fixed_plan(policies):
     units = [_budget.UnitCosts(f"block_{i}", options, 0) for i in range(len(policies))]
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(_budget, "solve", lambda costs, budget, quanta=2000: list(policies))
-        patch.setattr(_memory, "costs", lambda *args: (_budget.Model(units, 0, 0, 0), 0.0))
+        patch.setattr(_memory, "costs", lambda *args, **kwargs: (_budget.Model(units, 0, 0, 0), 0.0))
         patch.setattr(_memory, "compiled_peak", lambda *args: None)  # JAX: nor compiles the step to check it
         yield
 
