@@ -19,7 +19,8 @@ Methods (those that apply to the model):
     full            `recompute_model(model)`: each transformer block one unit
     save_dots       `recompute_model(model, policy="save_dots")`
     attention_core  `recompute_model(model, policy="attention_core")`
-    budget          `recompute_model(model, budget=<the budget>, inputs=batch)`:
+    budget          `recompute_model(model, budget=<the budget>, inputs=batch)`
+                    (`--plan-budget-mb` for another budget than the allocator's):
                     at each batch tried, the plan with the least recompute time
                     that fits (keras-hub: over its blocks; bert4keras: over its
                     blocks, which are pieces of its graph)
@@ -68,6 +69,7 @@ def parse_args(argv=None):
     parser.add_argument("--seq", type=int, help="sequence length (bert4keras 128, keras-hub 512)")
     parser.add_argument("--budget-mb", type=float, required=True, help="the allocator's limit, in MiB")
     parser.add_argument("--methods", nargs="+", choices=METHODS, help="default: all that apply to the model")
+    parser.add_argument("--plan-budget-mb", type=float, help="budget: the budget the plan is made for (default: --budget-mb; docs/usage.md advises a little less than the memory there is)")
     parser.add_argument("--backend", choices=("tensorflow", "jax", "torch"), default="tensorflow", help="keras-hub only")
     parser.add_argument("--steps", type=int, default=2, help="timed steps at the largest batch, after one compiling step")
     parser.add_argument("--limit", type=int, default=1024, help="the largest batch tried")
@@ -129,7 +131,7 @@ def keras_hub_child(args):
     plan = None
     if method == "budget":
         try:
-            recompute_model(model, budget=int(args.budget_mb * 2**20), inputs=inputs)
+            recompute_model(model, budget=int((args.plan_budget_mb or args.budget_mb) * 2**20), inputs=inputs)
         except ValueError as error:  # below the least peak any plan reaches: does not fit
             print(json.dumps({"error": str(error)[:160]}))
             return
@@ -155,10 +157,12 @@ def probe(args, method, batch, limited=True, steps=1):
         if method in POLICIES:
             child_args.policy = method
         if method == "budget":
-            child_args.plan_budget_mb = args.budget_mb
+            child_args.plan_budget_mb = args.plan_budget_mb or args.budget_mb
         name = {"enable": "ours"}.get(method, "model" if method in POLICIES else method)
         return bert4keras_bert.run_child(child_args, name, "function", extra_env=limit)
     arguments = ["keras-hub", "--child", method, batch, "--size", args.size, "--seq", args.seq, "--budget-mb", args.budget_mb, "--steps", steps]
+    if args.plan_budget_mb:
+        arguments += ["--plan-budget-mb", args.plan_budget_mb]
     return _measure.run(os.path.abspath(__file__), arguments, args.backend, extra_env=limit, label=f"{method}, batch {batch}")
 
 
