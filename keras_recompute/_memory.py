@@ -265,14 +265,9 @@ def costs(model, units, inputs, execution=COMPILED, below=True):
         if cached is not None:
             return cached, 0.0
     start = time.perf_counter()
-    parts = _measured_below(model, inputs) if below else None
-    if parts is not None:
-        from keras_recompute import _fit
-
-        batch, sizes, parts = parts
-        models = [costs(model, units, part, execution, below=False)[0] for part in parts]
-        fitted = _in_proportion(_fit.FittedModel(sizes, models, 1).at(batch), models[-1], batch / sizes[-1])
-        measured = remember(model, keys[-1], fitted)
+    extrapolated = _extrapolated(model, units, inputs, execution) if below else None
+    if extrapolated is not None:
+        measured = remember(model, keys[-1], extrapolated)
     else:
         measured = remember(model, key, _measure(model, units, inputs, _measuring_backend(model), execution))
     return measured, time.perf_counter() - start
@@ -301,10 +296,26 @@ def costs(model, units, inputs, execution=COMPILED, below=True):
 # to 0.01 MiB (`tests/test_budget.py`: within 1%), and both plans ran in the
 # limited allocator. JAX is measured at the batch: its plans are checked by
 # compiling the step there, which allocates nothing. Inputs not all cut along
-# one first axis of one length, and a model whose inputs name their batch
-# size, are measured as they are. `largest_fit` measures its sizes as they
+# one first axis of one length, a model whose inputs name their batch size,
+# and one whose measuring refuses a part of its batch (a `ValueError`,
+# `TypeError` or `IndexError`), are measured as they are. `largest_fit` measures its sizes as they
 # are: the fit is its own.
 MEASURED_BELOW = 8
+
+
+def _extrapolated(model, units, inputs, execution):
+    """The costs at `inputs` from its quarter and half, or None where it is measured as it is."""
+    from keras_recompute import _fit
+
+    below = _measured_below(model, inputs)
+    if below is None:
+        return None
+    batch, sizes, parts = below
+    try:
+        models = [costs(model, units, part, execution, below=False)[0] for part in parts]
+    except (ValueError, TypeError, IndexError):  # a model that takes no part of its batch: measured whole
+        return None
+    return _in_proportion(_fit.FittedModel(sizes, models, 1).at(batch), models[-1], batch / sizes[-1])
 
 
 def _measured_below(model, inputs):

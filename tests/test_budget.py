@@ -336,12 +336,14 @@ def test_a_large_batch_is_measured_at_a_quarter_and_a_half_of_it(monkeypatch):
     """NOTE [ measuring below the batch ]: where measuring runs the units on the device (TensorFlow, PyTorch), a
     batch of 64 is measured at 16 and 32 and extrapolated: the same figures, to 1%, as measured whole, and its plans
     fit as measured whole; JAX measures the batch itself (its plans are compiled there)."""
-    seen = []
+    seen, only = [], []
     call = AttentionBlock.call
 
     def spied(self, inputs, training=None):
         if self.name == "block_0" and isinstance(inputs.shape[0], int):  # not the call that builds the model
             seen.append(inputs.shape[0])
+            if only and inputs.shape[0] not in only:
+                raise ValueError(f"this model takes {only} rows")
         return call(self, inputs, training=training)
 
     monkeypatch.setattr(AttentionBlock, "call", spied)
@@ -352,6 +354,12 @@ def test_a_large_batch_is_measured_at_a_quarter_and_a_half_of_it(monkeypatch):
     seen.clear()
     _costs(blocks_model(batch_size=64))  # a model that takes no other batch: measured at it
     assert 64 in seen and 16 not in seen, seen
+    model = blocks_model()
+    seen.clear()
+    only.append(64)  # one that refuses a part of its batch (a `ValueError`): measured whole
+    _costs(model)
+    only.clear()
+    assert 64 in seen, seen
     monkeypatch.setattr(_memory, "MEASURED_BELOW", 1 << 30)
     whole = _costs(blocks_model())[0]
     count = len(whole.units)
