@@ -298,8 +298,8 @@ def costs(model, units, inputs, execution=COMPILED, below=True):
 # compiling the step there, which allocates nothing. Inputs not all cut along
 # one first axis of one length, a model whose inputs name their batch size,
 # and one whose measuring refuses a part of its batch (a `ValueError`,
-# `TypeError` or `IndexError`), are measured as they are. `largest_fit` measures its sizes as they
-# are: the fit is its own.
+# `TypeError` or `IndexError`), are measured as they are. `largest_fit`
+# measures its sizes as they are: the fit is its own.
 MEASURED_BELOW = 8
 
 
@@ -352,7 +352,7 @@ def _in_proportion(fitted, half, scale):
 
     A line through two timings a few milliseconds apart, extrapolated to twice
     the larger batch, can fall to nothing (keras-hub BERT small at 66:
-    `save_dots` 0 s where measured whole it took 0.31 s); a step's time grows
+    `save_dots` 0 s where measured whole it took 0.06-0.31 s); a step's time grows
     with its rows, and the larger batch's timing is the steadier.
     """
     units = []
