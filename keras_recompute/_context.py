@@ -236,6 +236,15 @@ def leaves(tree):
         yield tree
 
 
+def rebuild(tree, values):
+    """`tree` with its leaves, in `leaves`' order, taken from the iterator `values`."""
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(rebuild(item, values) for item in tree)
+    if isinstance(tree, dict):
+        return {key: rebuild(item, values) for key, item in tree.items()}
+    return next(values)
+
+
 class _MasksAttached:
     def __init__(self, targets, masks):
         self._targets = targets

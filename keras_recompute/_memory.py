@@ -332,7 +332,7 @@ def _measured_below(model, inputs):
         return None
     sizes = (batch // 4, batch // 2)
     try:
-        parts = [_cut(inputs, size) for size in sizes]
+        parts = [_context.rebuild(inputs, iter([leaf[:size] for leaf in leaves])) for size in sizes]
     except (TypeError, ValueError, IndexError):  # a leaf that cannot be cut (a sparse tensor): measured whole
         return None
     return batch, sizes, parts
@@ -362,15 +362,6 @@ def _in_proportion(fitted, half, scale):
             for name, option in unit.options.items()
         }))
     return fitted.like(units)
-
-
-def _cut(tree, size):
-    """`tree` with every leaf's first `size` rows."""
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_cut(item, size) for item in tree)
-    if isinstance(tree, dict):
-        return type(tree)((key, _cut(item, size)) for key, item in tree.items())
-    return tree[:size]
 
 
 def cache_key(units, inputs, execution):

@@ -929,7 +929,7 @@ def measure_unit(layer, args, kwargs, policy, timed=True, execution="compiled"):
         for position, value in zip(positions, differentiated):
             leaves[position] = value
         _context.copy_masks([flat[p] for p in positions], differentiated)
-        call_args, call_kwargs = _rebuild((args, kwargs), iter(leaves))
+        call_args, call_kwargs = _context.rebuild((args, kwargs), iter(leaves))
         with tf.GradientTape() as tape:
             tape.watch(differentiated)
             outputs = layer(*call_args, **call_kwargs)
@@ -1074,7 +1074,7 @@ def _eager_kept_bytes(layer, flat, positions, args, kwargs):
     for position, value in zip(positions, differentiated):
         leaves[position] = value
     _context.copy_masks([flat[p] for p in positions], differentiated)
-    call_args, call_kwargs = _rebuild((args, kwargs), iter(leaves))
+    call_args, call_kwargs = _context.rebuild((args, kwargs), iter(leaves))
     before = _bytes_in_use()
     if before is None:
         return None
@@ -1127,11 +1127,3 @@ def _kept_bytes(operations, forward_count):
             size = tensor.shape.num_elements() * tensor.dtype.size
             total, largest = total + size, max(largest, size)
     return total, largest
-
-
-def _rebuild(tree, values):
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_rebuild(item, values) for item in tree)
-    if isinstance(tree, dict):
-        return {key: _rebuild(item, values) for key, item in tree.items()}
-    return next(values)
