@@ -58,7 +58,7 @@ def parse_args(argv=None):
     parser.add_argument("--seq", type=int, default=128, help="the BERTs' sequence length")
     parser.add_argument("--batch", type=int, default=1, help="gemma-lora's batch")
     parser.add_argument("--options", nargs="+", default=list(OPTIONS) + ["plan"])
-    parser.add_argument("--headroom", type=float, help="largest_fit's headroom (default: largest_fit's, 0.1; 0.25 on TensorFlow)")
+    parser.add_argument("--headroom", type=float, help="largest_fit's headroom (default: largest_fit's, 0.1)")
     parser.add_argument("--multiple-of", type=int, default=1, help="answer in multiples of this")
     parser.add_argument("--verify", action="store_true", help="run a step at each predicted size and the next")
     parser.add_argument("--out", help="also write the results as JSON to this file")
@@ -197,22 +197,25 @@ def main(argv=None):
     budget, usable = args.budget_mb * 2**20, predicted["usable"]
     results = []
 
-    def step(option, size, extra_env=None, where=""):  # one training step in a child of its own
-        arguments = base + ["--child", "step", "--option", option, "--at", size, "--usable", int(usable)]
+    def step(option, size, extra_env=None, where="", spare=0):  # one training step in a child of its own
+        # The plan as the fit made it: for the usable budget, less the largest tensor it counts (TensorFlow).
+        arguments = base + ["--child", "step", "--option", option, "--at", size, "--usable", int(usable - spare)]
         return _measure.run(script, arguments, backend, extra_env=extra_env, label=f"{option} at {size}{where}")
 
     for row in predicted["rows"]:
-        record = {key: row.get(key) for key in ("option", "largest", "predicted_peak", "next_peak", "residual", "policies", "note")}
+        keys = ("option", "largest", "predicted_peak", "next_peak", "residual", "policies", "note", "largest_tensor")
+        record = {key: row.get(key) for key in keys}
+        spare = row.get("largest_tensor") or 0
         if args.verify and row.get("largest"):
             for key, size in (("at_largest", row["largest"]), ("at_next", row["largest"] + args.multiple_of)):
-                record[key] = step(row["option"], size)
+                record[key] = step(row["option"], size, spare=spare)
             fitted = record["at_largest"]
             if "error" not in fitted:
                 record["measured_over_predicted"] = fitted["peak"] / row["predicted_peak"]
                 record["fits_budget"] = fitted["peak"] <= budget
             if backend == "tensorflow":  # as on a device: the allocator limited to the budget (what max_batch.py bisects)
                 limited = step(row["option"], row["largest"], {"TF_CPU_BFC_MEM_LIMIT_IN_MB": str(int(args.budget_mb))},
-                               f" in {args.budget_mb:.0f} MiB")
+                               f" in {args.budget_mb:.0f} MiB", spare)
                 record["in_budget"] = limited
                 record["fits_budget"] = "error" not in limited and limited["peak"] <= budget
             following = record["at_next"]

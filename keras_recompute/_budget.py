@@ -195,18 +195,21 @@ class UnitCosts:
 
     `update_bytes`: what the optimizer's update of the unit's weights
     allocates at once (twice its largest weight; 0 without an optimizer).
+    `largest`: the largest tensor the unit makes (its forward's, made again
+    by a recompute), in bytes.
     """
 
-    def __init__(self, name, options, gradient_bytes, input_bytes=0, update_bytes=0):
+    def __init__(self, name, options, gradient_bytes, input_bytes=0, update_bytes=0, largest=0):
         self.name = name
         self.options = dict(options)
         self.gradient_bytes = int(gradient_bytes)
         self.input_bytes = int(input_bytes)
         self.update_bytes = int(update_bytes)
+        self.largest = int(largest)
 
     def like(self, options):
         """This unit with other options."""
-        return UnitCosts(self.name, options, self.gradient_bytes, self.input_bytes, self.update_bytes)
+        return UnitCosts(self.name, options, self.gradient_bytes, self.input_bytes, self.update_bytes, self.largest)
 
 
 def offloaded(model, policies):
@@ -278,6 +281,10 @@ class Model:
             kept += option.kept
             peak = max(peak, fixed + self._held(index) + kept + option.transient)
         return max(peak, fixed + kept + self.loss)  # the loss's backward, before any unit's
+
+    def largest_tensor(self):
+        """The largest tensor the units' backward makes, whatever the plan: a unit's, or a unit's weight's gradient."""
+        return max([unit.largest for unit in self.units] + [unit.update_bytes // 2 for unit in self.units], default=0)
 
     def seconds(self, choice):
         return sum(unit.options[policy].seconds for unit, policy in zip(self.units, choice))

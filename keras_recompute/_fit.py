@@ -26,43 +26,55 @@ sequence lengths.
 The prediction is that of a plan's peak, and it errs both ways against a
 measured one: on the CPU, steps run at the answers measured 0.77-1.09x the
 prediction, one policy on every unit (docs/benchmarks.md, "The largest
-fit"). TensorFlow's executor orders a graph's ops differently from run to
-run (the same step of keras-hub Gemma peaked at 199.0 and 235.6 MiB), and
-there the fit of a unit's largest tensor, a maximum, is not a polynomial
-where the largest changes between the sizes measured (an FFN's at sequence
-64, the scores' from 128 on). The 0.77x is `attention_core` on TensorFlow:
-each unit's kept bytes are the graph's tensors its gradient reads, and the
-run kept less (read in order: `benchmarks/tf_memory_timeline.py`): the
-attention mask each block makes from the same padding mask once for all,
-and Grappler's rewrites. PyTorch's units are measured whole, forward
-and backward (NOTE [ measuring a unit on PyTorch ]): its steps measured
-1.02-1.08x their prediction.
-An answer that runs out of
-memory costs more than one a little smaller, so a headroom is kept for the
-prediction's error (NOTE [ the headroom ]).
+fit"). On TensorFlow the fit of a unit's largest tensor, a maximum, is not a
+polynomial where the largest changes between the sizes measured (an FFN's at
+sequence 64, the scores' from 128 on), and each unit's kept bytes are the
+graph's tensors its gradient reads, where the run kept less (read in order:
+`benchmarks/tf_memory_timeline.py`): the attention mask each block makes
+from the same padding mask once for all, and Grappler's rewrites (keras-hub
+Gemma's `attention_core`, 0.77x). PyTorch's units are measured whole,
+forward and backward (NOTE [ measuring a unit on PyTorch ]): its steps
+measured 1.02-1.08x their prediction. An answer that runs out of memory
+costs more than one a little smaller, so a headroom is kept for the
+prediction's error (NOTE [ the headroom ]), and on TensorFlow each peak
+counts what its allocator rounds up (NOTE [ the allocator's blocks ]).
 
 NOTE [ the headroom ]
 The error is in what the size adds: the weights, the optimizer's slots and
 the gradients are counted from the variables, while the activations and the
-transients are extrapolated from small sizes and, on TensorFlow, depend on
-the order its executor picks. So `headroom` is a fraction of the room the
-size can take, the budget above what the step holds at size 0 (`fixed`, the
-fitted model there), not of the whole budget: a peak is answered if it fits
-`usable(budget, fixed, headroom)`. Where the weights and Adam's slots take
-most of the budget (bert4keras BERT-base in 2500 MiB: 1543 MiB at batch
-0), a tenth of the whole budget kept 26% of the activations' room free;
-where they take 80% of a GPU (a large model fine-tuned), it would keep half
-of it. On JAX (each answer compiled) and
+transients are extrapolated from small sizes. So `headroom` is a fraction
+of the room the size can take, the budget above what the step holds at
+size 0 (`fixed`, the fitted model there), not of the whole budget: a peak
+is answered if it fits `usable(budget, fixed, headroom)`. Where the weights
+and Adam's slots take most of the budget (bert4keras BERT-base in 2500 MiB:
+1543 MiB at batch 0), a tenth of the whole budget kept 26% of the
+activations' room free; where they take 80% of a GPU (a large model
+fine-tuned), it would keep half of it. On JAX (each answer compiled) and
 PyTorch the steps run at the answers measured 8% of that room under their
 prediction to 5% over (docs/benchmarks.md, "The largest fit"): the default
-keeps 10% there (`HEADROOM`). TensorFlow needs more. Its executor orders a
-graph's ops differently from run to run (keras-hub BERT small's plain step
-at batch 22 peaked at 573.8 and 619.9 MiB in two runs: 12% of the room
-apart), and its BFC allocator, limited to the budget as a device is, failed
-below its limit where the unlimited step peaked under it (bert4keras
-BERT-base at batch 47 under `full`: 2410 MiB unlimited, out of memory in
-2500; the blocks of memory it has cannot all be joined). So the default
-keeps a quarter of the room on TensorFlow (`HEADROOM_TENSORFLOW`).
+keeps 10% (`HEADROOM`), on TensorFlow too, where each peak also counts the
+allocator's rounding.
+
+NOTE [ the allocator's blocks ]
+TensorFlow's BFC allocator (a GPU's; the CPU's under
+`TF_CPU_ALLOCATOR_USE_BFC=1`) gives a request a free block of its memory and
+splits the block only where it is at least twice the request: otherwise the
+whole block is the tensor's until it is freed, counted as in use and against
+the allocator's limit. On a CPU a 100 MiB tensor held 128 MiB, and a 60 MiB
+one made after it was freed held 68. Which block a request meets depends on
+what was made and freed before it, so one step's peak moves from process
+to process by about its largest tensors: keras-hub Gemma with LoRA under
+`full` at sequence 1408 peaked at 172 and 208 MiB in two processes (scores
+of 30 MiB); bert4keras BERT-base under `save_dots` at batch 18 ran in two
+children limited to 2500 MiB and ran out of memory in the third. An error
+of the size of the largest tensor, not of a fraction of the room: the
+quarter of the room kept on TensorFlow until 2026-11-28 answered bert4keras
+5, 41 and 16 (none, `full`, `save_dots`) where 7, 43 and 17 ran three times
+in three in the limited allocator. So on TensorFlow each peak `largest_fit`
+answers against counts the step's largest tensor once more
+(`_budget.Model.largest_tensor`: the largest a unit makes, again when it
+recomputes, or a unit's weight's gradient), with the tenth of the room kept
+as elsewhere: bert4keras then answers 6, 44 and 17, measured RESULTS.
 
 Where a compiler states a step's peak (JAX, compiled), the answers are its:
 the measured models are calibrated to it at each size (NOTE [ calibrating
@@ -79,7 +91,6 @@ DEGREES = {"batch": 1, "sequence": 2}
 DEFAULT_SIZES = {"batch": (2, 4, 8), "sequence": (64, 128, 192, 256)}
 RESIDUAL_LIMIT = 0.05
 HEADROOM = 0.10
-HEADROOM_TENSORFLOW = 0.25
 PLAN = "plan"
 
 
@@ -100,15 +111,21 @@ class FitReport:
             fits, or None), `"predicted_peak"` there and `"next_peak"` at the
             next size (bytes), `"residual"` (the fit's largest relative error
             at the measured sizes), `"policies"` (for `"plan"`: each unit's
-            policy at the largest size) and `"note"` (why there is no answer).
+            policy at the largest size), `"note"` (why there is no answer)
+            and, on TensorFlow, `"largest_tensor"` (counted in the predicted
+            peak once more: NOTE [ the allocator's blocks ]).
+        rounding: whether each peak counts the step's largest tensor once
+            more (TensorFlow's allocator).
         execution: the execution the prediction is for (`"eager"` or
             `"compiled"`), and `execution_reason` why.
     """
 
     def __init__(
-        self, title, axis, budget, sizes, rows, execution, execution_reason, multiple_of=1, headroom=0.0, fixed=0.0
+        self, title, axis, budget, sizes, rows, execution, execution_reason, multiple_of=1, headroom=0.0, fixed=0.0,
+        rounding=False,
     ):
         self.title = title
+        self.rounding = rounding
         self.axis = axis
         self.budget = budget
         self.headroom = headroom
@@ -147,6 +164,8 @@ class FitReport:
             + (f", {100 * self.headroom:.0f}% of the room above the {_budget.format_bytes(self.fixed)} it holds at "
                f"{unit} 0 kept for the prediction's error: peaks predicted within "
                f"{_budget.format_bytes(self.usable)}; " if self.headroom else "; ")
+            + ("each peak counting the step's largest tensor once more (the allocator may hold a tensor in a block of "
+               "up to twice its size); " if self.rounding else "")
             + f"measured at {unit} {', '.join(map(str, self.sizes))} and fitted by a polynomial of degree "
             f"{DEGREES[self.axis]} in it",
         ]
@@ -172,11 +191,6 @@ def _plan_text(policies):
             runs.append(name if count == 1 else f"{name} x{count}")
         previous, count = policy, 1
     return " ".join(runs)
-
-
-def default_headroom(backend):
-    """`HEADROOM`, or `HEADROOM_TENSORFLOW` where `backend` (`"tensorflow"`, `"jax"`, `"torch"`) is TensorFlow."""
-    return HEADROOM_TENSORFLOW if backend == "tensorflow" else HEADROOM
 
 
 def usable(budget, fixed, headroom):
@@ -234,19 +248,19 @@ class FittedModel:
                 options[option] = tuple(fit([getattr(o, field) for o in picked]) for field in ("kept", "transient", "seconds", "forward"))
             self._units.append((
                 fit([u.gradient_bytes for u in unit_models]), fit([u.input_bytes for u in unit_models]),
-                fit([u.update_bytes for u in unit_models]), options,
+                fit([u.update_bytes for u in unit_models]), fit([u.largest for u in unit_models]), options,
             ))
 
     def at(self, size):
         """The `_budget.Model` the fit predicts at `size` (no field below 0)."""
         value = lambda coefficients: max(0.0, _evaluate(coefficients, size))  # noqa: E731
         units = []
-        for name, (gradients, inputs, update, options) in zip(self.names, self._units):
+        for name, (gradients, inputs, update, largest, options) in zip(self.names, self._units):
             built = {
                 option: _budget.Option(option, value(kept), value(transient), value(seconds), value(forward))
                 for option, (kept, transient, seconds, forward) in options.items()
             }
-            units.append(_budget.UnitCosts(name, built, value(gradients), value(inputs), value(update)))
+            units.append(_budget.UnitCosts(name, built, value(gradients), value(inputs), value(update), value(largest)))
         fixed = {name: value(coefficients) for name, coefficients in self._fixed.items()}
         return _budget.Model(
             units, fixed["resident"], fixed["outside"], fixed["outside_gradient_bytes"], fixed["update"], self._applied_as_made,
@@ -403,11 +417,16 @@ def checked_rows(rows, count, plan_at, peak_at, usable, limit=1 << 20, multiple_
     return rows
 
 
-def fit_rows(fitted, budget, options, plan=True, limit=1 << 20, multiple_of=1):
-    """One row per option (and the plan): the largest size whose predicted peak fits `budget`."""
+def fit_rows(fitted, budget, options, plan=True, limit=1 << 20, multiple_of=1, rounding=False):
+    """One row per option (and the plan): the largest size whose predicted peak fits `budget`.
+
+    `rounding`: each peak counts the step's largest tensor once more, as an allocator that holds a tensor in a
+    block of up to twice its size does (TensorFlow's: NOTE [ the allocator's blocks ]).
+    """
     rows = []
     start = max(fitted.sizes)
     uniform = [option for option in options if all(option in unit_options for unit_options in fitted.options)]
+    spare = (lambda model: model.largest_tensor()) if rounding else (lambda model: 0)  # noqa: E731
     for option in options:
         if option not in uniform:
             missing = [name for name, unit_options in zip(fitted.names, fitted.options) if option not in unit_options]
@@ -415,21 +434,30 @@ def fit_rows(fitted, budget, options, plan=True, limit=1 << 20, multiple_of=1):
                          "note": f"does not apply to {len(missing)} of the {len(fitted.names)} units ({missing[0]}, ...)"})
             continue
         choice = [option] * len(fitted.names)
-        peak_at = lambda size, choice=choice: fitted.at(size).peak(choice)  # noqa: E731
+
+        def peak_at(size, choice=choice):
+            model = fitted.at(size)
+            return model.peak(choice) + spare(model)
+
         residual = fitted.residual(lambda model, choice=choice: model.peak(choice))
         row = _row(option, peak_at, residual, budget, start, limit, multiple_of)
+        if rounding and row["largest"]:
+            row["largest_tensor"] = spare(fitted.at(row["largest"]))  # in the predicted peak
         rows.append(row)
     if plan:
         def planned_peak(size):
             model = fitted.at(size)
-            policies = _budget.solve(model, budget)
-            return model.peak(policies) if policies is not None else float("inf")
+            policies = _budget.solve(model, budget - spare(model))
+            return model.peak(policies) + spare(model) if policies is not None else float("inf")
 
         # A plan changes with the size; its fit is as good as that of the options it is made of.
         residual = max((fitted.residual(lambda model, o=o: model.peak([o] * len(fitted.names))) for o in uniform), default=0.0)
         row = _row(PLAN, planned_peak, residual, budget, start, limit, multiple_of)
         if row["largest"]:
-            row["policies"] = _budget.solve(fitted.at(row["largest"]), budget)
+            model = fitted.at(row["largest"])
+            row["policies"] = _budget.solve(model, budget - spare(model))
+            if rounding:
+                row["largest_tensor"] = spare(model)
         rows.append(row)
     return rows
 

@@ -534,7 +534,7 @@ def _unit_costs(unit, measured, input_bytes, output_bytes, recompute_largest=1.0
         # Every option holds the unit's inputs: its first layers save them, or the recompute needs them.
         options[option] = _budget.Option(option, input_bytes + kept, transient, extra, forward)
     update = _update_bytes(model, unit.trainable_variables) if model is not None else 0
-    return _budget.UnitCosts(unit_name(unit), options, gradient_bytes, input_bytes, update)
+    return _budget.UnitCosts(unit_name(unit), options, gradient_bytes, input_bytes, update, largest)
 
 
 def _record(model, units, inputs, backend):

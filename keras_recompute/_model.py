@@ -382,9 +382,11 @@ def largest_fit(
             room the size can take, the budget above what the step holds at
             size 0 (its weights, optimizer slots and gradients): sizes are
             answered whose predicted peak fits `budget - headroom * (budget -
-            fixed)`. None: 0.1, and 0.25 on TensorFlow, whose executor's
-            order and allocator move a step's peak more (NOTE [ the headroom ]
-            in `_fit`). 0 answers against the whole budget.
+            fixed)`. None: 0.1 (NOTE [ the headroom ] in `_fit`). 0 answers
+            against the whole budget. On TensorFlow each peak also counts
+            the step's largest tensor once more, as its allocator may hold a
+            tensor in a block of up to twice its size (NOTE [ the
+            allocator's blocks ]).
 
     Returns:
         A `FitReport`: `print(report)` shows the table; `report.largest("full")`
@@ -406,7 +408,7 @@ def largest_fit(
     ```
     """
     if headroom is None:
-        headroom = _fit.default_headroom(_memory._module_name(_memory._measuring_backend(model)))
+        headroom = _fit.HEADROOM
     budget_bytes, sizes = _fit.check_arguments(axis, sizes, budget, multiple_of, headroom)
     options = _fit.default_options() if options is None else list(options)
     for option in options:
@@ -429,7 +431,9 @@ def largest_fit(
         fitted = _fit.FittedModel(sizes, measured, _fit.DEGREES[axis])
         fixed = fitted.at(0).peak([_budget.NONE] * len(fitted.names))
         usable = _fit.usable(budget_bytes, fixed, headroom)
-        rows = _fit.fit_rows(fitted, usable, options, plan, limit, multiple_of)
+        # TensorFlow's allocator may hold a tensor in a block of up to twice its size (NOTE [ the allocator's blocks ]).
+        rounding = _memory._module_name(_memory._measuring_backend(model)) == "tensorflow"
+        rows = _fit.fit_rows(fitted, usable, options, plan, limit, multiple_of, rounding)
         if _memory.states_compiled_peak(model, execution):  # each answer checked by compiling the step there
             compiled = {}
 
@@ -457,7 +461,7 @@ def largest_fit(
             f"{_budget.format_bytes(fitted.at(multiple_of).resident)}). Allow more memory, or use a smaller model."
         )
     title = f"keras_recompute largest fit: {model.name!r}, {len(fitted.names)} units, {_memory._backend_name(model)}"
-    return _fit.FitReport(title, axis, budget_bytes, sizes, rows, execution, reason, multiple_of, headroom, fixed)
+    return _fit.FitReport(title, axis, budget_bytes, sizes, rows, execution, reason, multiple_of, headroom, fixed, rounding)
 
 
 def _flatten(structure):

@@ -127,7 +127,7 @@ TOLERANCE = {("sequence", "tensorflow"): (0.35, 0.15), ("batch", "tensorflow"): 
              ("sequence", "torch"): (0.15, 0.10), ("batch", "torch"): (0.20, 0.10),
              ("sequence", "jax"): (0.02, 0.02), ("batch", "jax"): (0.02, 0.02)}
 # The batch budget: XLA's plain step at batch 8 already peaks at 62 MB, so JAX's is larger (an answer past the sizes
-# measured: extrapolated, not read off); TensorFlow keeps a quarter of the room for the prediction's error, not a tenth.
+# measured: extrapolated, not read off); TensorFlow's answers count the step's largest tensor once more.
 BATCH_BUDGET = {"jax": 96 * 2**20, "tensorflow": 72 * 2**20}
 
 
@@ -140,10 +140,12 @@ def test_the_predicted_largest_size_fits_and_the_next_does_not(axis):
     sizes = (2, 4, 8) if axis == "batch" else (32, 64, 96, 128)
     budget = BATCH_BUDGET.get(BACKEND, 64 * 2**20) if axis == "batch" else 24 * 2**20
     report = largest_fit(model, budget, make, axis=axis, sizes=sizes, options=["none", "full"])
-    # The default headroom (NOTE [ the headroom ]): a quarter of the room above what size 0 holds on TensorFlow, a tenth
-    # elsewhere; size 0 holds the weights and more, less than the least size.
-    headroom = 0.25 if BACKEND == "tensorflow" else 0.1
+    # The default headroom (NOTE [ the headroom ]): a tenth of the room above what size 0 holds (the weights and more,
+    # less than the least size); on TensorFlow each peak counts the step's largest tensor once more (NOTE [ the
+    # allocator's blocks ]).
+    headroom = 0.1
     assert isinstance(report, FitReport) and f"{100 * headroom:.0f}% of the room above" in str(report)
+    assert report.rounding == (BACKEND == "tensorflow") == ("largest tensor once more" in str(report))
     weights = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)
     assert 2 * weights <= report.fixed < report.budget
     assert report.usable == report.budget - headroom * (report.budget - report.fixed)
@@ -155,7 +157,10 @@ def test_the_predicted_largest_size_fits_and_the_next_does_not(axis):
         row = next(row for row in report.rows if row["option"] == policy)
         assert row["predicted_peak"] <= report.usable < row["next_peak"], row
         peak = measured_peak(axis, policy, row["largest"])
-        assert -under * peak <= row["predicted_peak"] - peak <= over * peak, (policy, peak, row)
+        # On TensorFlow the answer's peak counts its largest tensor once more, for blocks the allocator may round up.
+        counted = row["predicted_peak"] - row.get("largest_tensor", 0)
+        assert (BACKEND == "tensorflow") == (row.get("largest_tensor", 0) > 0), row
+        assert -under * peak <= counted - peak <= over * peak, (policy, peak, row)
         assert peak <= budget, (policy, peak, str(report))
 
 

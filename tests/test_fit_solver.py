@@ -8,9 +8,10 @@ from keras_recompute import _budget, _fit
 MB = 10**6
 
 
-def model_at(size, kept_per=(4.0, 0.5), quadratic=0.0, cube=0.0, units=4, forward=0.0, loss=0.0):
+def model_at(size, kept_per=(4.0, 0.5), quadratic=0.0, cube=0.0, units=4, forward=0.0, loss=0.0, largest=0.0):
     """A synthetic measured model: each unit keeps `a s + q s^2 (+ c s^3)` plain, `b s` under full; its forward
-    holds `forward s^2` at its height, the loss's backward `loss s` (as measured on PyTorch)."""
+    holds `forward s^2` at its height, the loss's backward `loss s` (as measured on PyTorch); its largest tensor is
+    `largest s`."""
     plain, full = kept_per
     built = []
     for index in range(units):
@@ -19,7 +20,7 @@ def model_at(size, kept_per=(4.0, 0.5), quadratic=0.0, cube=0.0, units=4, forwar
             "none": _budget.Option("none", MB * (plain * size + quadratic * size**2 + cube * size**3), MB * size, 0.0, height),
             "full": _budget.Option("full", MB * full * size, MB * (size + plain * size + quadratic * size**2), 0.01 * size, height),
         }
-        built.append(_budget.UnitCosts(f"block_{index}", options, 2 * MB, MB * full * size))
+        built.append(_budget.UnitCosts(f"block_{index}", options, 2 * MB, MB * full * size, largest=MB * largest * size))
     return _budget.Model(built, resident=50 * MB + MB * size, outside=MB * 0.2 * size, outside_gradient_bytes=3 * MB, update=4 * MB,
                          loss=MB * loss * size, forward_held=11 * MB if forward or loss else 0)
 
@@ -221,9 +222,34 @@ def test_bad_arguments_say_what_and_how(arguments, match):
         _fit.check_arguments(values["axis"], values["sizes"], values["budget"], values["multiple_of"], values["headroom"])
 
 
-def test_the_default_headroom_keeps_more_on_tensorflow():
-    assert _fit.default_headroom("tensorflow") == 0.25
-    assert _fit.default_headroom("jax") == _fit.default_headroom("torch") == 0.1
+def test_with_the_allocators_blocks_each_peak_counts_the_largest_tensor_once_more():
+    """NOTE [ the allocator's blocks ]: on TensorFlow a tensor may hold a block of up to twice its size, so each
+    answer's peak (each option's, the plan's) counts the step's largest tensor once more: here 3 MB a row, or a unit's
+    weight's gradient (2 MB, its update's half) where that is larger."""
+    fit = fitted([2, 4, 8], 1, largest=3.0)
+    budget = 900 * MB
+    plain = {row["option"]: row for row in _fit.fit_rows(fit, budget, ["none", "full"], plan=True, limit=5000)}
+    rows = {row["option"]: row for row in _fit.fit_rows(fit, budget, ["none", "full"], plan=True, limit=5000, rounding=True)}
+    for option in ("none", "full"):
+        want = brute_largest(lambda s: model_at(s, largest=3.0).peak([option] * 4) + 3 * MB * s, budget)
+        row = rows[option]
+        assert row["largest"] == want < plain[option]["largest"], (option, row, plain[option])
+        at = model_at(want, largest=3.0)
+        assert row["largest_tensor"] == at.largest_tensor() == 3 * MB * want
+        assert row["predicted_peak"] == pytest.approx(at.peak([option] * 4) + at.largest_tensor(), abs=64)
+        assert row["predicted_peak"] <= budget < row["next_peak"]
+    plan = rows["plan"]
+    assert plan["largest"] >= rows["full"]["largest"] and plan["predicted_peak"] <= budget, plan
+    assert plan["largest"] < plain["plan"]["largest"]
+    at = model_at(plan["largest"], largest=3.0)
+    assert at.peak(plan["policies"]) + at.largest_tensor() <= budget and plan["largest_tensor"] == at.largest_tensor()
+    assert "largest_tensor" not in plain["full"]
+    unit = _budget.UnitCosts("a", {"none": _budget.Option("none", MB, MB, 0.0)}, 2 * MB, update_bytes=4 * MB, largest=MB)
+    assert _budget.Model([unit], 0, 0, 0).largest_tensor() == 2 * MB  # its weight's gradient: half its update
+
+
+def test_the_default_headroom_is_a_tenth():
+    assert _fit.HEADROOM == 0.1
 
 
 def test_the_headroom_is_a_fraction_of_the_room_above_what_size_0_holds():
