@@ -64,17 +64,20 @@ the allocator's limit. On a CPU a 100 MiB tensor held 128 MiB, and a 60 MiB
 one made after it was freed held 68. Which block a request meets depends on
 what was made and freed before it, so one step's peak moves from process
 to process by about its largest tensors: keras-hub Gemma with LoRA under
-`full` at sequence 1408 peaked at 172 and 208 MiB in two processes (scores
+`full` at sequence 1408 peaked at 172 and 255 MiB in two processes (scores
 of 30 MiB); bert4keras BERT-base under `save_dots` at batch 18 ran in two
 children limited to 2500 MiB and ran out of memory in the third. An error
 of the size of the largest tensor, not of a fraction of the room: the
 quarter of the room kept on TensorFlow until 2026-11-28 answered bert4keras
 5, 41 and 16 (none, `full`, `save_dots`) where 7, 43 and 17 ran three times
-in three in the limited allocator. So on TensorFlow each peak `largest_fit`
-answers against counts the step's largest tensor once more
-(`_budget.Model.largest_tensor`: the largest a unit makes, again when it
-recomputes, or a unit's weight's gradient), with the tenth of the room kept
-as elsewhere: bert4keras then answers 6, 44 and 17, measured RESULTS.
+in three in the limited allocator (45 for `full` since). So on TensorFlow
+each peak `largest_fit` answers against counts the step's largest tensor
+once more (`_budget.Model.largest_tensor`: the largest a unit makes, again
+when it recomputes, or a unit's weight's gradient), with the tenth of the
+room kept as elsewhere: bert4keras then answers 6, 44 and 17, each of which
+ran in the limited allocator, against 7, 45 and 17 bisected there with three
+runs a batch (`benchmarks/max_batch.py --repeats 3`); keras-hub Gemma and
+BERT small's answers ran there too (docs/benchmarks.md, "The largest fit").
 
 Where a compiler states a step's peak (JAX, compiled), the answers are its:
 the measured models are calibrated to it at each size (NOTE [ calibrating
