@@ -225,6 +225,8 @@ def main(argv=None):
             "batch": batch, "seconds_per_sample": per, "loss": record and record["loss"], "repeats": args.repeats,
             "probes": probes,
         }
+        if method == "budget":
+            results["methods"][method]["plan_budget_mb"] = args.plan_budget_mb or args.budget_mb
         if method == "none":
             base = results["methods"][method]
         if not batch:
