@@ -33,11 +33,13 @@ allocator (`--budget-mb` should then be below the device's memory). The batch
 is found by doubling, then bisection; each probe is a child process that
 builds the model, takes one step (compiling), then one more, and fits when
 both ran and the peak of the second is within the budget; with `--repeats n`,
-when n probes of it all fit. TensorFlow's executor orders a graph's ops
-differently from run to run, and at the edge the same batch runs in one
-child and runs out of memory in the next (bert4keras BERT-base, `save_dots`
-at batch 18: one of three probes ran): a batch found with one probe each is
-one that ran once, with three, one that runs. Time per sample is
+when n probes of it all fit. TensorFlow's BFC allocator gives a tensor a
+free block of up to twice its size, whichever it meets (NOTE [ the
+allocator's blocks ] in `keras_recompute/_fit.py`), and at the edge the same
+batch runs in one child and runs out of memory in the next (bert4keras
+BERT-base, `save_dots` at batch 18: two probes of three ran, and one of three
+in another try): a batch found with one probe each is one that ran once,
+with three, one that runs. Time per sample is
 the fastest of `--steps` steps at the largest batch, over its batch, in a child
 without the limit (next to it an allocator's retries stall a step).
 

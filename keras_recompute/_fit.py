@@ -74,10 +74,12 @@ in three in the limited allocator (45 for `full` since). So on TensorFlow
 each peak `largest_fit` answers against counts the step's largest tensor
 once more (`_budget.Model.largest_tensor`: the largest a unit makes, again
 when it recomputes, or a unit's weight's gradient), with the tenth of the
-room kept as elsewhere: bert4keras then answers 6, 44 and 17, each of which
-ran in the limited allocator, against 7, 45 and 17 bisected there with three
-runs a batch (`benchmarks/max_batch.py --repeats 3`); keras-hub Gemma and
-BERT small's answers ran there too (docs/benchmarks.md, "The largest fit").
+room kept as elsewhere: bert4keras then answers 6, 44 and 17 against 7, 45
+and 17 bisected in the limited allocator with three runs a batch
+(`benchmarks/max_batch.py --repeats 3`); none's and `save_dots`' ran there,
+`full`'s in four runs of five (an answer one under the edge is at it), and
+keras-hub Gemma's and BERT small's all ran (docs/benchmarks.md, "The
+largest fit").
 
 Where a compiler states a step's peak (JAX, compiled), the answers are its:
 the measured models are calibrated to it at each size (NOTE [ calibrating
