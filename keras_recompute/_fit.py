@@ -445,10 +445,7 @@ def fit_rows(fitted, budget, options, plan=True, limit=1 << 20, multiple_of=1, r
             return model.peak(choice) + spare(model)
 
         residual = fitted.residual(lambda model, choice=choice: model.peak(choice))
-        row = _row(option, peak_at, residual, budget, start, limit, multiple_of)
-        if rounding and row["largest"]:
-            row["largest_tensor"] = spare(fitted.at(row["largest"]))  # in the predicted peak
-        rows.append(row)
+        rows.append(_row(option, peak_at, residual, budget, start, limit, multiple_of))
     if plan:
         def planned_peak(size):
             model = fitted.at(size)
@@ -461,9 +458,11 @@ def fit_rows(fitted, budget, options, plan=True, limit=1 << 20, multiple_of=1, r
         if row["largest"]:
             model = fitted.at(row["largest"])
             row["policies"] = _budget.solve(model, budget - spare(model))
-            if rounding:
-                row["largest_tensor"] = spare(model)
         rows.append(row)
+    if rounding:  # what each answer's predicted peak counts once more
+        for row in rows:
+            if row["largest"]:
+                row["largest_tensor"] = spare(fitted.at(row["largest"]))
     return rows
 
 
