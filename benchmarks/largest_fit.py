@@ -27,6 +27,19 @@ run to run, so the peak of an unlimited step moved by 12% of the
 activations' room, while a limited allocator waits for frees before it
 fails. There `fits_budget` is that run's: it ran, within the budget.
 
+NOTE [ the bisected figure ]
+`--bisect` finds, by runs, what the answer is checked against: per option
+the largest size (in `--multiple-of` steps, galloping from the answer, then
+halving) whose step fits the budget, run in this script's own child (the
+same model, inputs and two steps as the answer's check). On TensorFlow a size
+fits when `--repeats` runs of it (3) with the allocator limited to the budget
+all run: which block of the allocator a tensor meets moves from process to
+process (NOTE [ the allocator's blocks ] in keras_recompute/_fit.py), so
+one run at the edge is a sample. On JAX (XLA's figure for the compiled step)
+and PyTorch (the profiler's records) the measure is the same in every
+process: one run, its peak within the budget. The plan is not bisected: no
+plan holds less than `full` on every block, so `full`'s figure bounds it.
+
 Usage:
     python benchmarks/largest_fit.py keras-hub-bert --backend tensorflow --budget-mb 3000 --verify --out benchmarks/results/largest_fit_keras_hub_bert_tensorflow.json
     python benchmarks/largest_fit.py bert4keras --budget-mb 2500 --verify
@@ -61,6 +74,10 @@ def parse_args(argv=None):
     parser.add_argument("--headroom", type=float, help="largest_fit's headroom (default: largest_fit's, 0.1)")
     parser.add_argument("--multiple-of", type=int, default=1, help="answer in multiples of this")
     parser.add_argument("--verify", action="store_true", help="run a step at each predicted size and the next")
+    parser.add_argument("--bisect", action="store_true",
+                        help="also find by runs the largest size whose step fits the budget (the figure to check the answer against)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="with --bisect on TensorFlow: a size fits when this many runs of it in the limited allocator all do")
     parser.add_argument("--out", help="also write the results as JSON to this file")
     parser.add_argument("--child", choices=("predict", "step"), help=argparse.SUPPRESS)
     parser.add_argument("--option", help=argparse.SUPPRESS)
@@ -171,6 +188,36 @@ def child_step(args):
     print(json.dumps(record))
 
 
+def bisect(fits, start, step):
+    """The largest multiple of `step` for which `fits(size)` holds, searched from `start` (0 when none does).
+
+    Gallops away from `start` (one step, two, four, ...) until the answer is
+    bracketed, then halves: each size is probed once, a predicted answer within
+    a few steps of the truth costs a few probes.
+    """
+    known = {}
+
+    def probe(size):
+        if size not in known:
+            known[size] = size > 0 and fits(size)
+        return known[size]
+
+    if probe(start):
+        low, width = start, step
+        while probe(low + width):
+            low, width = low + width, width * 2
+        high = low + width
+    else:
+        high, width = start, step
+        while high - width > 0 and not probe(high - width):
+            high, width = high - width, width * 2
+        low = max(high - width, 0)
+    while high - low > step:  # low fits (or is 0), high does not
+        middle = low + (high - low) // (2 * step) * step
+        low, high = (middle, high) if probe(middle) else (low, middle)
+    return low
+
+
 def _child_arguments(args):
     arguments = [args.model, "--backend", args.backend, "--size", args.size, "--budget-mb", args.budget_mb,
                  "--seq", args.seq, "--batch", args.batch, "--multiple-of", args.multiple_of, "--options", *args.options]
@@ -222,6 +269,32 @@ def main(argv=None):
             if "error" not in following:
                 record["next_fits_usable"] = following["peak"] <= usable
         results.append(record)
+    if args.bisect:
+        bisected = {}
+        for record in results:  # the plan's last: it holds at least what full holds, on every block
+            if record["option"] == "plan":
+                continue
+            probes = {}
+
+            def fits(size, option=record["option"], probes=probes):  # NOTE [ the bisected figure ]
+                runs = []
+                for _ in range(args.repeats if backend == "tensorflow" else 1):
+                    limited = {"TF_CPU_BFC_MEM_LIMIT_IN_MB": str(int(args.budget_mb))} if backend == "tensorflow" else None
+                    runs.append(step(option, size, limited, " (bisecting)"))
+                    if "error" in runs[-1] or runs[-1]["peak"] > budget:
+                        break
+                probes[size] = runs
+                return all("error" not in run and run["peak"] <= budget for run in runs)
+
+            largest = bisect(fits, record.get("largest") or args.multiple_of, args.multiple_of)
+            bisected[record["option"]] = largest
+            record["bisected"] = {"largest": largest, "probes": {str(size): runs for size, runs in sorted(probes.items())}}
+        for record in results:
+            if record["option"] == "plan" and "full" in bisected:
+                record["bisected"] = {"largest": bisected["full"], "of": "full"}
+        print(f"\n{'option':16} {'predicted':>9} {'bisected':>9}")
+        for record in results:
+            print(f"{record['option']:16} {str(record.get('largest')):>9} {str(record.get('bisected', {}).get('largest')):>9}")
     if args.verify:
         print(f"\n{'option':16} {'largest':>8} {'predicted':>10} {'measured':>10} {'ratio':>6} {'under budget':>12} {'next measured':>13}")
         for record in results:
