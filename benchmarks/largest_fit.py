@@ -78,6 +78,7 @@ def parse_args(argv=None):
                         help="also find by runs the largest size whose step fits the budget (the figure to check the answer against)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="with --bisect on TensorFlow: a size fits when this many runs of it in the limited allocator all do")
+    parser.add_argument("--bisect-from", help="with --bisect: an earlier --out of the same model, backend, budget and step; its probes are not run again")
     parser.add_argument("--out", help="also write the results as JSON to this file")
     parser.add_argument("--child", choices=("predict", "step"), help=argparse.SUPPRESS)
     parser.add_argument("--option", help=argparse.SUPPRESS)
@@ -188,6 +189,22 @@ def child_step(args):
     print(json.dumps(record))
 
 
+def _earlier_probes(args, backend):
+    """`{option: {size: runs}}` from `--bisect-from`'s JSON, checked to be of the same model, backend and budget."""
+    if not args.bisect_from:
+        return {}
+    with open(args.bisect_from) as file:
+        earlier = json.load(file)
+    same = ("model", "size", "seq", "batch", "budget_mb", "repeats")
+    different = [key for key in same if earlier["arguments"].get(key) != vars(args).get(key)]
+    if different or earlier["arguments"].get("backend") != backend:
+        raise SystemExit(f"--bisect-from {args.bisect_from}: not the same runs ({', '.join(different) or 'backend'} differ)")
+    return {
+        record["option"]: {int(size): runs for size, runs in record["bisected"]["probes"].items()}
+        for record in earlier["results"] if "probes" in record.get("bisected", {})
+    }
+
+
 def bisect(fits, start, step):
     """The largest multiple of `step` for which `fits(size)` holds, searched from `start` (0 when none does).
 
@@ -270,14 +287,17 @@ def main(argv=None):
                 record["next_fits_usable"] = following["peak"] <= usable
         results.append(record)
     if args.bisect:
-        bisected = {}
+        bisected, earlier = {}, _earlier_probes(args, backend)
         for record in results:  # the plan's last: it holds at least what full holds, on every block
             if record["option"] == "plan":
                 continue
             probes = {}
 
             def fits(size, option=record["option"], probes=probes):  # NOTE [ the bisected figure ]
-                runs = []
+                runs = list(earlier.get(option, {}).get(size, []))
+                if runs:
+                    probes[size] = runs
+                    return all("error" not in run and run["peak"] <= budget for run in runs)
                 for _ in range(args.repeats if backend == "tensorflow" else 1):
                     limited = {"TF_CPU_BFC_MEM_LIMIT_IN_MB": str(int(args.budget_mb))} if backend == "tensorflow" else None
                     runs.append(step(option, size, limited, " (bisecting)"))
