@@ -161,7 +161,7 @@ def child_predict(args):
                          headroom=args.headroom, multiple_of=args.multiple_of)
     seconds = time.perf_counter() - started
     print(json.dumps({"rows": report.rows, "seconds": seconds, "execution": report.execution, "text": str(report),
-                      "fixed": report.fixed, "usable": report.usable, "headroom": report.headroom}))
+                      "fixed": report.fixed, "usable": report.usable, "headroom": report.headroom, "sizes": report.sizes}))
 
 
 def child_step(args):
@@ -340,6 +340,7 @@ def main(argv=None):
     arguments["execution"] = predicted["execution"]
     arguments["fixed_bytes"], arguments["usable_bytes"] = predicted["fixed"], usable  # NOTE [ the headroom ]
     arguments["headroom"] = predicted["headroom"]
+    arguments["sizes_measured"] = predicted["sizes"]  # with one nearer the answers (NOTE [ measuring nearer the answers ])
     _measure.write_json(args.out, arguments, results)
 
 
