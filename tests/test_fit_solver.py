@@ -288,3 +288,14 @@ def test_inputs_without_a_sequence_axis_are_refused_naming_the_batch():
 def test_inputs_that_follow_their_size_are_taken():
     batches = _fit.checked_inputs(lambda n: {"ids": np.zeros((2, n))}, [64, 128, 192, 256], "sequence", flatten)
     assert [b["ids"].shape for b in batches] == [(2, 64), (2, 128), (2, 192), (2, 256)]
+
+
+def test_the_size_measured_nearer_the_answers_is_the_least_answer_past_twice_the_sizes():
+    """NOTE [ measuring nearer the answers ]: along the sequence only, the plan's answer aside, in multiples."""
+    rows = [{"option": "none", "largest": 960}, {"option": "full", "largest": 1600}, {"option": "plan", "largest": 600},
+            {"option": "attention_core", "largest": None}]
+    assert _fit.nearer_size(rows, [64, 128, 192, 256], "sequence", 64) == 960
+    assert _fit.nearer_size(rows, [64, 128, 192, 256], "sequence", 100) == 900
+    assert _fit.nearer_size(rows, [64, 128, 192, 480], "sequence", 64) is None  # within twice the largest size measured
+    assert _fit.nearer_size(rows, [2, 4, 8], "batch", 1) is None  # a line: extrapolated as measured
+    assert _fit.nearer_size([{"option": "none", "largest": None}], [64, 128, 192, 256], "sequence", 1) is None
