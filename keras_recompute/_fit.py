@@ -257,7 +257,7 @@ class FittedModel:
             if [unit.name for unit in model.units] != self.names or [list(u.options) for u in model.units] != self.options:
                 raise ValueError("keras_recompute: the model's units or their options differ between the sizes measured")
         fit = lambda values: polynomial(self.sizes, values, degree)  # noqa: E731
-        self._fixed = {name: fit([getattr(m, name) for m in models]) for name in ("resident", "outside", "outside_gradient_bytes", "update", "loss", "forward_held", "scratch")}
+        self._fixed = {name: fit([getattr(m, name) for m in models]) for name in ("resident", "outside", "outside_gradient_bytes", "update", "loss", "forward_held", "scratch", "outputs_held")}
         self._applied_as_made = first.applied_as_made
         self._units = []
         for index in range(len(self.names)):
@@ -284,7 +284,7 @@ class FittedModel:
         fixed = {name: value(coefficients) for name, coefficients in self._fixed.items()}
         return _budget.Model(
             units, fixed["resident"], fixed["outside"], fixed["outside_gradient_bytes"], fixed["update"], self._applied_as_made,
-            fixed["loss"], fixed["forward_held"], fixed["scratch"],
+            fixed["loss"], fixed["forward_held"], fixed["scratch"], fixed["outputs_held"],
         )
 
     def residual(self, peak):

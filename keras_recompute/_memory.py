@@ -432,7 +432,7 @@ def _measure(model, units, inputs, backend, execution):
     state = [v for v in model.variables if not _trainable(v)]
     saved = [_numpy(v) for v in state]
     try:
-        records, loss = _record(model, units, inputs, backend)
+        records, loss, output_bytes = _record(model, units, inputs, backend)
         costs_by_kind, unit_costs = {}, []
         for unit in units:
             args, kwargs, sizes = records[id(unit)]
@@ -450,10 +450,12 @@ def _measure(model, units, inputs, backend, execution):
         # A TensorFlow graph applies each gradient as it is made (NOTE [ the peak of a plan ]).
         applied_as_made = execution == COMPILED and _module_name(backend) == "tensorflow"
         # Keras's PyTorch trainer frees the last step's gradients after the forward (`zero_grad`), not before it.
-        forward_held = unit_gradients + outside_gradients if _module_name(backend) == "torch" else 0
+        torch = _module_name(backend) == "torch"
+        forward_held = unit_gradients + outside_gradients if torch else 0
+        # And keeps the outputs for its metrics, computed after the update (NOTE [ the peak of a plan ]).
         return _budget.Model(
             unit_costs, resident, outside, outside_gradients, _update_bytes(model), applied_as_made, loss,
-            forward_held,
+            forward_held, outputs_held=output_bytes if torch else 0,
         )
     finally:
         for variable, value in zip(state, saved):
@@ -538,9 +540,9 @@ def _unit_costs(unit, measured, input_bytes, output_bytes, recompute_largest=1.0
 
 
 def _record(model, units, inputs, backend):
-    """`({id(unit): (args, kwargs, (input_bytes, output_bytes))}, loss)` from one training-mode forward of `model`.
+    """`({id(unit): (args, kwargs, (input_bytes, output_bytes))}, loss, outputs)` from one training-mode forward of `model`.
 
-    `loss`: what a loss's backward holds on its outputs (PyTorch, TensorFlow; else 0).
+    `loss`: what a loss's backward holds on its outputs (PyTorch, TensorFlow; else 0); `outputs`: their bytes.
     """
     from keras_recompute.backends import _keras3
 
@@ -557,7 +559,8 @@ def _record(model, units, inputs, backend):
             "pass inputs= as the model takes them in training."
         )
     # What the loss's backward holds on the outputs: measured on PyTorch, counted on TensorFlow's graph.
-    return records, backend.loss_peak(outputs, model) if hasattr(backend, "loss_peak") else 0
+    loss = backend.loss_peak(outputs, model) if hasattr(backend, "loss_peak") else 0
+    return records, loss, _tensor_bytes(outputs)
 
 
 def _recorder(unit, call, records):
