@@ -306,6 +306,40 @@ def test_a_causal_model_without_dropout_fits_along_the_sequence():
     assert -0.10 * peak <= predicted - peak <= 0.15 * peak, (size, peak, predicted)
 
 
+def language_model(vocabulary=1024, blocks=4):
+    """`causal_model` with logits at every position, as a language model has: its largest tensors."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((None, WIDTH))
+    hidden = keras.layers.Dense(WIDTH, name="stem")(inputs)
+    for i in range(blocks):
+        hidden = CausalBlock(name=f"block_{i}")(hidden)
+    model = keras.Model(inputs, keras.layers.Dense(vocabulary, name="head")(hidden))
+    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="Keras's PyTorch trainer: what it holds, measured by the profiler")
+@pytest.mark.skipif(PROFILER_MISSES_THE_BACKWARD, reason=_MISSES)
+def test_a_language_models_logits_are_held_through_the_backward():
+    """NOTE [ the peak of a plan ]: Keras's PyTorch trainer keeps the model's outputs for its metrics, computed after
+    the update, so under `full` each block's recompute and backward runs beside the logits (keras-hub Gemma's step
+    at sequence 1728 peaked 21 MiB over its prediction without them)."""
+    import _measure
+    from keras_recompute import _model
+
+    model = language_model()
+    x, labels = make_sequence(256), np.zeros((2, 256), "int32")
+    _, costs, _, _ = _model.measured_costs(model, x)
+    logits = 2 * 256 * 1024 * 4
+    assert costs.outputs_held == logits
+    predicted = costs.peak(["full"] * len(costs.units))
+    recompute_model(model, policy="full", enabled=True)
+    model.train_on_batch(x, labels)
+    live = [v.value for v in model.variables] + [v.value for v in model.optimizer.variables]
+    peak = _measure.torch_step_peak(lambda: model.train_on_batch(x, labels), live)
+    assert -0.05 * peak <= predicted - peak <= 0.15 * peak, (peak, predicted, logits)
+
+
 class FeedForward(keras.layers.Layer):
     """A block whose backward holds more than its forward: recomputed, it makes its FFN's activations again, then
     their gradients beside them."""
