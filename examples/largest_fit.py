@@ -4,7 +4,8 @@ A `GemmaCausalLM` of 4 blocks of 256 (4 query heads, vocabulary 4096; built
 from a config, nothing downloaded) with LoRA of rank 8 on, compiled with Adam
 and trained on next tokens, batch 1. `largest_fit` measures what each block
 keeps and costs at sequence lengths 64, 128, 192 and 256, fits each figure by
-a polynomial in the length (attention's scores grow with its square), and
+a polynomial in the length (attention's scores grow with its square), measures
+once more at the shortest answer (five times 256 away) and fits again, and
 reads off the longest sequence whose training step is predicted to fit 512 MiB
 with no recompute, each policy, and the budget planner's plan. Nothing runs
 at the lengths predicted.

@@ -351,7 +351,10 @@ def largest_fit(
     fits each figure by a polynomial in the size (degree 1 along the batch, 2
     along the sequence: attention's scores), and reads off, for no recompute,
     each policy applied to every unit, and the budget planner's plan, the
-    largest size whose predicted peak fits. Nothing runs at the sizes
+    largest size whose predicted peak fits; along the sequence, where the
+    shortest answer lies past twice the sizes measured, the units are
+    measured there once more and every answer fitted again (NOTE [ measuring
+    nearer the answers ]). Nothing runs at the sizes
     predicted (NOTE [ predicting the largest fit ] in `_fit`); where the
     model's memory does not follow the fit at the sizes measured, that row
     says so instead of answering.
