@@ -82,7 +82,7 @@ def parse_args(argv=None):
     parser.add_argument("--bisect", action="store_true",
                         help="also find by runs the largest size whose step fits the budget (the figure to check the answer against)")
     parser.add_argument("--repeats", type=int, default=3,
-                        help="with --bisect on TensorFlow: a size fits when this many runs of it in the limited allocator all do")
+                        help="with --bisect on TensorFlow: a size fits when this many runs of it all do")
     parser.add_argument("--bisect-from", help="with --bisect: an earlier --out of the same model, backend, budget and step; its probes are not run again")
     parser.add_argument("--out", help="also write the results as JSON to this file")
     parser.add_argument("--child", choices=("predict", "step"), help=argparse.SUPPRESS)

@@ -301,7 +301,10 @@ class Model:
         return self.outside + sum(unit.options[policy].kept for unit, policy in zip(self.units, choice))
 
     def _held(self, index):
-        """The gradients, the optimizer's update and the outputs held, alive while unit `index`'s backward runs (`len(units)`: at the end)."""
+        """The gradients, the optimizer's update and the outputs held, alive while unit `index`'s backward runs.
+
+        `index == len(units)`: at the end, after the backward.
+        """
         return self._gradients(index) + self._updating(index) + self.outputs_held
 
     def _updating(self, index):
