@@ -101,8 +101,8 @@ asked) and every answer is fitted again through all the sizes. The step
 there is predicted to fit the budget, and measuring a unit holds less than
 the step does (one unit's activations, not all of them), so the
 measurement fits too. Measured again at 960, PyTorch's `attention_core`
-answered 1280 where 1408 was bisected (one step and another of headroom;
-1152 before), and TensorFlow's `full` 1600 where 1664 was (1408 before).
+answered 1280 where 1408 was bisected (1152 before; two steps of 64 under
+it, the headroom's), and TensorFlow's `full` 1600 where 1664 was (1408).
 Along the batch the fit is a line, and the answers measured 0.91-1.03x
 their prediction without it.
 """
