@@ -166,12 +166,17 @@ def plot_largest_fit(data, path):
     colors = [COLORS.get(name, "#17becf") for name in names]
     bars = sizes.bar([LABELS.get(n, n) for n in names], [row["largest"] for row in rows], color=colors)
     base = next((row["largest"] for row in rows if row["option"] == "none"), None)
+    bisected = [(bar, row["bisected"]["largest"]) for bar, row in zip(bars, rows) if (row.get("bisected") or {}).get("largest")]
+    for bar, largest in bisected:  # what runs showed fits (--bisect): a black line across the bar
+        sizes.plot([bar.get_x(), bar.get_x() + bar.get_width()], [largest, largest], color="black", linewidth=2)
+    top = {id(bar): largest for bar, largest in bisected}
     for bar, row in zip(bars, rows):
         label = f"{row['largest']}" + (f"\n{row['largest'] / base:.1f}x" if base else "")
-        sizes.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
-    sizes.set_ylim(0, max(row["largest"] for row in rows) * 1.3)
+        height = max(bar.get_height(), top.get(id(bar), 0))
+        sizes.annotate(label, (bar.get_x() + bar.get_width() / 2, height), ha="center", va="bottom", fontsize=8)
+    sizes.set_ylim(0, max([row["largest"] for row in rows] + [largest for _, largest in bisected]) * 1.3)
     sizes.set_ylabel(f"largest {axis} predicted to fit")
-    sizes.set_title(f"largest {axis} in {arguments['budget_mb']:.0f} MiB")
+    sizes.set_title(f"largest {axis} in {arguments['budget_mb']:.0f} MiB" + ("; bisected by runs: black line" if bisected else ""))
     for index, row in enumerate(rows):
         peaks.plot([index - 0.15], [row["predicted_peak"] / MiB], "o", color=colors[index], markersize=7)
         for key, marker in (("at_largest", "s"), ("at_next", "^")):
