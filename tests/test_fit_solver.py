@@ -299,3 +299,21 @@ def test_the_size_measured_nearer_the_answers_is_the_least_answer_past_twice_the
     assert _fit.nearer_size(rows, [64, 128, 192, 480], "sequence", 64) is None  # within twice the largest size measured
     assert _fit.nearer_size(rows, [2, 4, 8], "batch", 1) is None  # a line: extrapolated as measured
     assert _fit.nearer_size([{"option": "none", "largest": None}], [64, 128, 192, 256], "sequence", 1) is None
+
+
+@pytest.mark.parametrize("step", [1, 3, 64])
+def test_the_benchmarks_bisection_finds_the_largest_fitting_multiple_from_any_start_probing_each_once(step):
+    """`benchmarks/largest_fit.py --bisect` (NOTE [ the bisected figure ]): what the answers are checked against."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    from largest_fit import bisect
+
+    rng = np.random.RandomState(step)
+    for _ in range(300):
+        truth, start = int(rng.randint(0, 40)) * step, int(rng.randint(1, 50)) * step
+        probed = []
+        found = bisect(lambda size: probed.append(size) or size <= truth, start, step)
+        assert found == truth and len(probed) == len(set(probed)), (truth, start, probed)
+        assert len(probed) <= 2 * int(np.log2(abs(truth - start) // step + 1)) + 3, (truth, start, probed)
