@@ -49,6 +49,7 @@ Usage:
     python benchmarks/largest_fit.py keras-hub-bert --backend tensorflow --budget-mb 3000 --verify --out benchmarks/results/largest_fit_keras_hub_bert_tensorflow.json
     python benchmarks/largest_fit.py bert4keras --budget-mb 2500 --verify
     python benchmarks/largest_fit.py gemma-lora --backend jax --budget-mb 1500 --verify
+    python benchmarks/largest_fit.py gemma-lora --backend torch --budget-mb 256 --multiple-of 64 --verify --bisect
 """
 
 import argparse
