@@ -430,23 +430,24 @@ def largest_fit(
                 f"{multiple_of}: the weights, optimizer and inputs alone take {_budget.format_bytes(least)}. Allow "
                 f"more memory, or use a smaller model."
             )
-        measured = [_calibrated_costs(model, units, inputs, execution, offload, below=False) for inputs in batches]
-        fitted = _fit.FittedModel(sizes, measured, _fit.DEGREES[axis])
-        fixed = fitted.at(0).peak([_budget.NONE] * len(fitted.names))
-        usable = _fit.usable(budget_bytes, fixed, headroom)
         # TensorFlow's allocator may hold a tensor in a block of up to twice its size (NOTE [ the allocator's blocks ]).
         rounding = _memory._module_name(_memory._measuring_backend(model)) == "tensorflow"
-        rows = _fit.fit_rows(fitted, usable, options, plan, limit, multiple_of, rounding)
-        compiled_peak = _memory.states_compiled_peak(model, execution)
-        nearer = None if compiled_peak else _fit.nearer_size(rows, sizes, axis, multiple_of)
-        if nearer is not None:  # NOTE [ measuring nearer the answers ]
-            batches += _fit.checked_inputs(make_inputs, [nearer], axis, _flatten)
-            measured.append(_calibrated_costs(model, units, batches[-1], execution, offload, below=False))
-            sizes = sizes + [nearer]
+
+        def answered(sizes, measured):  # the fit through the sizes measured, its usable budget and its answers
             fitted = _fit.FittedModel(sizes, measured, _fit.DEGREES[axis])
             fixed = fitted.at(0).peak([_budget.NONE] * len(fitted.names))
             usable = _fit.usable(budget_bytes, fixed, headroom)
-            rows = _fit.fit_rows(fitted, usable, options, plan, limit, multiple_of, rounding)
+            return fitted, fixed, usable, _fit.fit_rows(fitted, usable, options, plan, limit, multiple_of, rounding)
+
+        measured = [_calibrated_costs(model, units, inputs, execution, offload, below=False) for inputs in batches]
+        fitted, fixed, usable, rows = answered(sizes, measured)
+        compiled_peak = _memory.states_compiled_peak(model, execution)
+        nearer = None if compiled_peak else _fit.nearer_size(rows, sizes, axis, multiple_of)
+        if nearer is not None:  # NOTE [ measuring nearer the answers ]
+            (inputs,) = _fit.checked_inputs(make_inputs, [nearer], axis, _flatten)
+            measured.append(_calibrated_costs(model, units, inputs, execution, offload, below=False))
+            sizes = sizes + [nearer]
+            fitted, fixed, usable, rows = answered(sizes, measured)
         if compiled_peak:  # each answer checked by compiling the step there
             compiled = {}
 
