@@ -868,6 +868,23 @@ def _waiter(upstream):
 # allocator is needed, in eager Keras 3 and tf_keras alike. The same traced
 # step is what `_memory` times.
 #
+# The run keeps less where Grappler rewrites the forward and kernels reuse
+# their inputs' buffers: a keras-hub Gemma block (hidden 256, sequence 768)
+# reads 36.2 MiB of its forward by the graph, where a step of the whole
+# model held 26.0-30.8 MiB of each block's forward and 3.0-4.1 of its
+# backward begun (`benchmarks/tf_memory_timeline.py`). Tried on
+# 2026-11-28 and not kept: reading the allocator between the forward and the
+# backward (the step's gradient seeded by a `tf.py_function` that reads the
+# bytes in use), the lower of that and the graph's count. The BFC allocator
+# holds a tensor in a block of up to twice its size (NOTE [ the allocator's
+# blocks ] in `_fit`), so the reading moved by a unit's largest tensors from
+# size to size: the Gemma block held 31.1, 44.1, 42.3 and 58.3 MiB at 768,
+# 832, 896 and 960 where the graph reads 36.2, 40.9, 45.8 and 51.0. The fit
+# through such points answered a step on from one process to the next; in
+# one, `full`'s 1664 (1600 by the graph) peaked at 281.0 MiB in 256, and
+# `recompute_model(budget=)` then refused that size as below its least plan.
+# A count that does not move from run to run is what the answers stand on.
+#
 # NOTE [ measuring for eager execution ]
 # A step that runs eagerly (a custom `tf.GradientTape` loop not wrapped in
 # `tf.function`, `run_eagerly=True`) keeps more: the eager tape holds, for
