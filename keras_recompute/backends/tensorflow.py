@@ -868,22 +868,24 @@ def _waiter(upstream):
 # allocator is needed, in eager Keras 3 and tf_keras alike. The same traced
 # step is what `_memory` times.
 #
-# The run keeps less where Grappler rewrites the forward and kernels reuse
-# their inputs' buffers: a keras-hub Gemma block (hidden 256, sequence 768)
-# reads 36.2 MiB of its forward by the graph, where a step of the whole
-# model held 26.0-30.8 MiB of each block's forward and 3.0-4.1 of its
-# backward begun (`benchmarks/tf_memory_timeline.py`). Tried on
-# 2026-11-28 and not kept: reading the allocator between the forward and the
-# backward (the step's gradient seeded by a `tf.py_function` that reads the
-# bytes in use), the lower of that and the graph's count. The BFC allocator
-# holds a tensor in a block of up to twice its size (NOTE [ the allocator's
-# blocks ] in `_fit`), so the reading moved by a unit's largest tensors from
-# size to size: the Gemma block held 31.1, 44.1, 42.3 and 58.3 MiB at 768,
-# 832, 896 and 960 where the graph reads 36.2, 40.9, 45.8 and 51.0. The fit
-# through such points answered a step on from one process to the next; in
-# one, `full`'s 1664 (1600 by the graph) peaked at 281.0 MiB in 256, and
-# `recompute_model(budget=)` then refused that size as below its least plan.
-# A count that does not move from run to run is what the answers stand on.
+# Only the backward's ops that the gradients asked for need are counted
+# (`_needed`): a gradient function makes every input's gradient, and the
+# runtime prunes those nothing reads. A frozen weight's is one (LoRA's frozen
+# kernels, a norm's frozen scale), and what it would read of the forward is
+# not kept. A keras-hub Gemma block with LoRA (hidden 256, sequence 768)
+# reads 36.2 MiB of its forward with them and 30.6 MiB without, where a step
+# of the whole model held 26.0-30.8 MiB of each block's forward and 3.0-4.1 of
+# its backward begun (`benchmarks/tf_memory_timeline.py`). An eager tape runs
+# each gradient function whole: there every op is counted. Grappler's other
+# rewrites keep a little less again (29.8 MiB for that block, its rotary
+# tables folded as constants); its Python binding is private and is not used.
+# Tried on 2026-11-28 and not kept: reading the allocator between the forward
+# and the backward (the gradient seeded by a `tf.py_function` reading the
+# bytes in use). The BFC allocator holds a tensor in a block of up to twice
+# its size (NOTE [ the allocator's blocks ] in `_fit`), so that reading moved
+# by a unit's largest tensors from size to size (the Gemma block: 31.1, 44.1,
+# 42.3 and 58.3 MiB at 768, 832, 896 and 960) and the answers by a step from
+# one process to the next.
 #
 # NOTE [ measuring for eager execution ]
 # A step that runs eagerly (a custom `tf.GradientTape` loop not wrapped in
@@ -959,7 +961,8 @@ def measure_unit(layer, args, kwargs, policy, timed=True, execution="compiled"):
     values = [flat[p] for p in positions]
     concrete = function.get_concrete_function(*values)
     operations = concrete.graph.get_operations()
-    kept, largest = _kept_bytes(operations, forward_ops["count"])
+    # An eager tape runs every gradient function whole; a graph runs what the gradients fetched need.
+    kept, largest = _kept_bytes(operations, forward_ops["count"], None if execution == "eager" else concrete.outputs)
     if execution == "eager":
         measured = _eager_kept_bytes(layer, flat, positions, args, kwargs)
         if measured is not None:
@@ -1016,7 +1019,7 @@ def loss_peak(outputs, model=None):
 
     specs = [tf.TensorSpec(leaf.shape, leaf.dtype) for leaf in leaves]
     concrete = tf.function(step, autograph=False).get_concrete_function(*specs)
-    kept, _ = _kept_bytes(concrete.graph.get_operations(), forward_ops["count"])
+    kept, _ = _kept_bytes(concrete.graph.get_operations(), forward_ops["count"], concrete.outputs)
     held = sum(leaf.shape.num_elements() * leaf.dtype.size for leaf in leaves)
     gradients = sum(leaf.shape.num_elements() * 4 for leaf in leaves)
     return held * (2 if _computes_metrics(model) else 1) + kept + gradients
@@ -1126,8 +1129,24 @@ def _eager_kept_bound(forward):
     return total
 
 
-def _kept_bytes(operations, forward_count):
+def _needed(fetches):
+    """The ops `fetches` (tensors of one graph) are computed from: what the runtime runs of it."""
+    needed, waiting = set(), [tensor.op for tensor in fetches]
+    while waiting:
+        operation = waiting.pop()
+        if operation not in needed:
+            needed.add(operation)
+            waiting.extend(tensor.op for tensor in operation.inputs)
+            waiting.extend(operation.control_inputs)
+    return needed
+
+
+def _kept_bytes(operations, forward_count, fetches=None):
+    """What the backward of a traced step (its ops after the first `forward_count`) reads of its forward, in bytes,
+    and the largest tensor it may read; given `fetches`, the bytes are what the backward's ops they need read
+    (NOTE [ measuring a unit on TensorFlow ]), the largest still any op's (the transients' measure, unchanged)."""
     forward = set(operations[:forward_count])
+    needed = None if fetches is None else _needed(fetches)
     counted, total, largest = set(), 0, 0
     for operation in operations[forward_count:]:
         for tensor in operation.inputs:
@@ -1140,7 +1159,9 @@ def _kept_bytes(operations, forward_count):
                 continue
             if tensor.ref() in counted or tensor.shape.num_elements() is None:
                 continue
-            counted.add(tensor.ref())
             size = tensor.shape.num_elements() * tensor.dtype.size
-            total, largest = total + size, max(largest, size)
+            largest = max(largest, size)
+            if needed is None or operation in needed:
+                counted.add(tensor.ref())
+                total += size
     return total, largest
