@@ -25,7 +25,9 @@ runs the units last to first. While it runs unit i:
     makes them (attention's softmax has the gradients of its probabilities
     and of its scores alive at once: twice the largest tensor it keeps).
     Recomputed, it also holds what its recompute makes again (`none`'s kept
-    minus its option's kept), which its backward frees as it goes: by the
+    minus its option's kept; on TensorFlow what the traced backward reads,
+    needed or not: NOTE [ measuring a unit on TensorFlow ] in
+    `backends/tensorflow.py`), which its backward frees as it goes: by the
     softmax's gradient, what came after it is gone (one largest tensor, not
     two, on top). Calibrated on TensorFlow's BFC peak of a 12-block encoder
     (benchmarks/budget.py), and checked there on JAX and PyTorch. Then, where

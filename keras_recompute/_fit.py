@@ -58,8 +58,8 @@ keeps 10% (`HEADROOM`), on TensorFlow too, where each peak also counts the
 allocator's rounding. Checked against a bisection of the same step
 (2026-11-28), keras-hub's Gemma with LoRA and BERT small on TensorFlow and
 PyTorch: without a headroom the answers were within a step (64 along the
-sequence) or 7% of the bisected size either way (TensorFlow's Gemma `full`
-a step over its unlimited runs' size; a TensorFlow step's peak moved 6%
+sequence) or 7% of the bisected size either way (TensorFlow's Gemma plan
+a step over `full`'s unlimited runs' size; a TensorFlow step's peak moved 6%
 from one process to the next; JAX's answers are compiled, the headroom
 their only gap), with it every step run at an answer peaked within its
 budget. The tenth stays: along the batch it costs about a tenth of the

@@ -463,13 +463,14 @@ def _measure(model, units, inputs, backend, execution):
 
 
 def _measure_options(unit, args, kwargs, backend, base, recompute_grad, execution):
-    """`{option: (kept, largest, seconds)}` for one unit; the options' steps are timed in turns."""
+    """`{option: (kept, largest, seconds, peaks, read)}` for one unit (`read`: what a backend says its recompute makes
+    again, else `kept`); the options' steps are timed in turns."""
     measured, steps = {}, {}
     for option in options_of(unit):
         call = base if option == _budget.NONE else recompute_grad(base, enabled=True, policy=option)
         with _context.instance_attribute(unit, "call", call):
-            kept, largest, step = backend.measure_unit(unit, args, kwargs, option, execution=execution)
-        measured[option] = (kept, largest)
+            kept, largest, step, *read = backend.measure_unit(unit, args, kwargs, option, execution=execution)
+        measured[option] = (kept, largest, read[0] if read else kept)
         steps[option] = _patched(unit, call, step)
     # In turns, so that a slower spell of the machine falls on every option alike; the fastest counts.
     seconds = {option: float("inf") for option in steps}
@@ -480,7 +481,7 @@ def _measure_options(unit, args, kwargs, backend, base, recompute_grad, executio
             seconds[option] = min(seconds[option], time.perf_counter() - start)
     # Where a step's allocations can be read (PyTorch), what it holds is measured, not modelled.
     peaks = {option: backend.step_peaks(step) if hasattr(backend, "step_peaks") else None for option, step in steps.items()}
-    return {option: measured[option] + (seconds[option], peaks[option]) for option in measured}
+    return {option: measured[option][:2] + (seconds[option], peaks[option], measured[option][2]) for option in measured}
 
 
 def _patched(unit, call, step):
@@ -517,10 +518,10 @@ def _dropouts(unit):
 
 def _unit_costs(unit, measured, input_bytes, output_bytes, recompute_largest=1.0, model=None):
     """A unit's options from its measurements (NOTE [ the peak of a plan ] in `_budget`)."""
-    kept_none, largest, seconds_none, _ = measured[_budget.NONE]
+    kept_none, largest, seconds_none, _, read_none = measured[_budget.NONE]
     gradient_bytes = _variable_bytes(unit.trainable_variables)
     options = {}
-    for option, (kept, _, seconds, peaks) in measured.items():
+    for option, (kept, _, seconds, peaks, read) in measured.items():
         forward = 0
         if peaks is not None:  # measured (NOTE [ measuring a unit on PyTorch ])
             forward, _, backward = peaks
@@ -530,8 +531,8 @@ def _unit_costs(unit, measured, input_bytes, output_bytes, recompute_largest=1.0
             transient = max(0, backward - kept - gradient_bytes)
         elif option == _budget.NONE:
             transient = 2 * output_bytes + 2 * largest
-        else:  # what its recompute makes again, too
-            transient = 2 * output_bytes + recompute_largest * largest + max(0, kept_none - kept)
+        else:  # what its recompute makes again, too: all the forward its backward's ops read (`read`)
+            transient = 2 * output_bytes + recompute_largest * largest + max(0, read_none - read)
         extra = 0.0 if option == _budget.NONE else max(seconds - seconds_none, 1e-6)
         # Every option holds the unit's inputs: its first layers save them, or the recompute needs them.
         options[option] = _budget.Option(option, input_bytes + kept, transient, extra, forward)
@@ -614,8 +615,7 @@ def _whole_model_kept(model, units, inputs, backend, undecorated, recompute_grad
             full = recompute_grad(undecorated(unit.call), enabled=True, policy=_policy.FULL)
             stack.enter_context(_context.instance_attribute(unit, "call", full))
         training = _keras3.training_kwargs(model)  # as Keras's trainer calls it
-        kept, _, _ = backend.measure_unit(model, (inputs,), training, _policy.FULL, timed=False, execution=execution)
-    return kept
+        return backend.measure_unit(model, (inputs,), training, _policy.FULL, timed=False, execution=execution)[0]
 
 
 def _unit_kind(unit, args, kwargs):

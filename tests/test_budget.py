@@ -676,7 +676,7 @@ def test_a_graph_step_of_large_weights_is_predicted_without_their_reads_and_grad
 _FROZEN_CHILD = r"""
 import json, sys
 import numpy as np, keras, tensorflow as tf
-from keras_recompute import memory_report
+from keras_recompute import memory_report, recompute_model
 
 
 class Block(keras.layers.Layer):
@@ -698,6 +698,8 @@ for i in range(4):
 model = keras.Model(inputs, keras.layers.Dense(2)(keras.layers.GlobalAveragePooling1D()(hidden)))
 model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=False)
 x, labels = np.random.RandomState(0).standard_normal((64, 64, 32)).astype("float32"), np.zeros(64, "int32")
+if sys.argv[1] == "recomputed":  # each block's backward makes its forward again, the product too
+    recompute_model(model, blocks=Block, enabled=True)
 report = memory_report(model, x, blocks=Block, execution="compiled")
 """ + _STEP_PEAK + r"""print(json.dumps({"peak": peak, "predicted": report.predicted_peak}))
 """
@@ -707,10 +709,11 @@ report = memory_report(model, x, blocks=Block, execution="compiled")
 def test_what_a_frozen_weights_gradient_would_read_is_not_counted_kept():
     """NOTE [ measuring a unit on TensorFlow ]: a gradient function makes every input's gradient, and the runtime
     prunes a frozen weight's (LoRA's case): each block's 4 MiB product, which only its frozen kernel's gradient
-    would read, is held when the kernel trains and not when it is frozen, and the predictions differ as the steps do."""
+    would read, is held when the kernel trains and not when it is frozen, and the predictions differ as the steps do.
+    Recomputed, each block's backward makes the product again, and its prediction counts it."""
     env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="1", KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="3")
     records = {}
-    for how in ("frozen", "trainable"):
+    for how in ("frozen", "trainable", "recomputed"):
         done = _fresh.run(["-c", _FROZEN_CHILD, how], env=env)
         assert done.returncode == 0, done.stderr[-3000:]
         records[how] = json.loads(done.stdout.strip().splitlines()[-1])
@@ -719,6 +722,8 @@ def test_what_a_frozen_weights_gradient_would_read_is_not_counted_kept():
     assert held > 3 * 2**22, records  # the four products
     assert abs(predicted - held) <= 0.25 * held, records
     assert records["frozen"]["predicted"] >= records["frozen"]["peak"], records
+    # Recomputed (frozen too), the product is made again in each backward: counted in its transient.
+    assert records["recomputed"]["predicted"] >= 0.95 * records["recomputed"]["peak"], records
 
 
 _LOSS_CHILD = r"""

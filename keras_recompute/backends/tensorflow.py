@@ -876,7 +876,12 @@ def _waiter(upstream):
 # reads 36.2 MiB of its forward with them and 30.6 MiB without, where a step
 # of the whole model held 26.0-30.8 MiB of each block's forward and 3.0-4.1 of
 # its backward begun (`benchmarks/tf_memory_timeline.py`). An eager tape runs
-# each gradient function whole: there every op is counted. Grappler's other
+# each gradient function whole: there every op is counted. What a recompute
+# makes again is still everything the traced backward reads, needed or not
+# (`read`; a recomputed unit's transient in `_memory._unit_costs`): the
+# forward made again makes those tensors whether a gradient reads them or
+# not. Counted with the pruned figure there, bert4keras BERT-base's `full`
+# was answered 49 in 2500 MiB, where 45 runs (44 as counted). Grappler's other
 # rewrites keep a little less again (29.8 MiB for that block, its rotary
 # tables folded as constants); its Python binding is private and is not used.
 # Tried on 2026-11-28 and not kept: reading the allocator between the forward
@@ -924,9 +929,12 @@ def measure_unit(layer, args, kwargs, policy, timed=True, execution="compiled"):
             (NOTE [ measuring for eager execution ]).
 
     Returns:
-        `(kept_bytes, largest_bytes, step)`: bytes the forward keeps beyond
-        the inputs and variables, the largest tensor among them, and a
-        function that runs one forward and backward (already warmed up).
+        `(kept_bytes, largest_bytes, step, read_bytes)`: bytes the forward
+        keeps beyond the inputs and variables, the largest tensor among them,
+        a function that runs one forward and backward (already warmed up),
+        and the bytes any op of the traced backward reads of the forward,
+        needed or not (what a recompute makes again: NOTE [ measuring a unit
+        on TensorFlow ]).
     """
     require_modern(
         "planning to a budget (budget=, memory_report)",
@@ -962,20 +970,21 @@ def measure_unit(layer, args, kwargs, policy, timed=True, execution="compiled"):
     concrete = function.get_concrete_function(*values)
     operations = concrete.graph.get_operations()
     # An eager tape runs every gradient function whole; a graph runs what the gradients fetched need.
-    kept, largest = _kept_bytes(operations, forward_ops["count"], None if execution == "eager" else concrete.outputs)
+    kept, largest, read = _kept_bytes(operations, forward_ops["count"], None if execution == "eager" else concrete.outputs)
     if execution == "eager":
         measured = _eager_kept_bytes(layer, flat, positions, args, kwargs)
         if measured is not None:
             kept = measured
         elif policy == "none":  # no allocator figures: the plain call's bound; a recomputed call keeps what its gradient saves
             kept = max(kept, _eager_kept_bound(operations[: forward_ops["count"]]))
+        read = kept
         run = lambda: step(*values)  # noqa: E731
     else:
         run = lambda: concrete(*values)  # noqa: E731
     if not timed:
-        return kept, largest, None
+        return kept, largest, None, read
     run()
-    return kept, largest, run
+    return kept, largest, run, read
 
 
 def loss_peak(outputs, model=None):
@@ -1019,7 +1028,7 @@ def loss_peak(outputs, model=None):
 
     specs = [tf.TensorSpec(leaf.shape, leaf.dtype) for leaf in leaves]
     concrete = tf.function(step, autograph=False).get_concrete_function(*specs)
-    kept, _ = _kept_bytes(concrete.graph.get_operations(), forward_ops["count"], concrete.outputs)
+    kept, _, _ = _kept_bytes(concrete.graph.get_operations(), forward_ops["count"], concrete.outputs)
     held = sum(leaf.shape.num_elements() * leaf.dtype.size for leaf in leaves)
     gradients = sum(leaf.shape.num_elements() * 4 for leaf in leaves)
     return held * (2 if _computes_metrics(model) else 1) + kept + gradients
@@ -1142,12 +1151,12 @@ def _needed(fetches):
 
 
 def _kept_bytes(operations, forward_count, fetches=None):
-    """What the backward of a traced step (its ops after the first `forward_count`) reads of its forward, in bytes,
-    and the largest tensor it may read; given `fetches`, the bytes are what the backward's ops they need read
-    (NOTE [ measuring a unit on TensorFlow ]), the largest still any op's (the transients' measure, unchanged)."""
+    """`(kept, largest, read)`: what the backward of a traced step (its ops after the first `forward_count`) reads
+    of its forward, in bytes, where it is run for `fetches` (all of it without them: NOTE [ measuring a unit on
+    TensorFlow ]); the largest tensor any of its ops reads; and what they all read."""
     forward = set(operations[:forward_count])
     needed = None if fetches is None else _needed(fetches)
-    counted, total, largest = set(), 0, 0
+    counted, read, total, largest, everything = set(), set(), 0, 0, 0
     for operation in operations[forward_count:]:
         for tensor in operation.inputs:
             if tensor.op not in forward:
@@ -1157,11 +1166,13 @@ def _kept_bytes(operations, forward_count, fetches=None):
             # A variable's read is the variable's own buffer (resident), not a copy the forward keeps.
             if tensor.op.type in ("Placeholder", "Const", "VarHandleOp", "ReadVariableOp") or tensor.dtype == tf.resource:
                 continue
-            if tensor.ref() in counted or tensor.shape.num_elements() is None:
+            if tensor.shape.num_elements() is None:
                 continue
             size = tensor.shape.num_elements() * tensor.dtype.size
-            largest = max(largest, size)
-            if needed is None or operation in needed:
+            if tensor.ref() not in read:
+                read.add(tensor.ref())
+                largest, everything = max(largest, size), everything + size
+            if tensor.ref() not in counted and (needed is None or operation in needed):
                 counted.add(tensor.ref())
                 total += size
-    return total, largest
+    return total, largest, everything
