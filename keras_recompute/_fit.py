@@ -24,7 +24,7 @@ size more is needed, so the defaults measure three batch sizes and four
 sequence lengths.
 
 The prediction is that of a plan's peak, and it errs both ways against a
-measured one: on the CPU, steps run at the answers measured 0.86-1.11x the
+measured one: on the CPU, steps run at the answers measured 0.82-1.08x the
 prediction, one policy on every unit (docs/benchmarks.md, "The largest
 fit"). On TensorFlow the fit of a unit's largest tensor, a maximum, is not a
 polynomial where the largest changes between the sizes measured (an FFN's at
@@ -32,7 +32,7 @@ sequence 64, the scores' from 128 on), and each unit's kept bytes are the
 graph's tensors its gradient reads, where the run kept less (read in order:
 `benchmarks/tf_memory_timeline.py`): the attention mask each block makes
 from the same padding mask once for all, and Grappler's other rewrites
-(keras-hub Gemma with LoRA's `attention_core`, 0.86x; 0.77x before the
+(keras-hub Gemma with LoRA's `attention_core`, 0.82x; 0.77x before the
 frozen weights' gradients were left out, NOTE [ measuring a unit on
 TensorFlow ]). PyTorch's units are measured whole,
 forward and backward (NOTE [ measuring a unit on PyTorch ]): its steps
