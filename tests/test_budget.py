@@ -173,8 +173,12 @@ def test_budget_one_recomputes_nothing():
 
 
 def test_a_fraction_keeps_that_part_of_the_activations():
+    """Judged by the planner's own costs: on JAX calibrated to XLA's compiled step, where the uncalibrated figures
+    put a plan it may choose (which one, the measured times decide) 0.5% over (seen under load in CI)."""
     model = blocks_model()
-    costs, _ = _costs(model)
+    units = _model._choose_blocks(model, _model._framework(model), "auto")
+    execution, _ = _memory.execution_of(model, None, "recompute_model")
+    costs = _model._calibrated_costs(model, units, X, execution, offload=False)
     plain = ["none"] * 4
     recompute_model(model, budget=0.75, inputs=X, enabled=True)
     policies = planned(model)
