@@ -463,14 +463,14 @@ def _measure(model, units, inputs, backend, execution):
 
 
 def _measure_options(unit, args, kwargs, backend, base, recompute_grad, execution):
-    """`{option: (kept, largest, seconds, peaks, read)}` for one unit (`read`: what a backend says its recompute makes
-    again, else `kept`); the options' steps are timed in turns."""
-    measured, steps = {}, {}
+    """`{option: (kept, largest, seconds, peaks, read)}` for one unit (`read`: what its recompute makes again);
+    the options' steps are timed in turns."""
+    measured, reads, steps = {}, {}, {}
     for option in options_of(unit):
         call = base if option == _budget.NONE else recompute_grad(base, enabled=True, policy=option)
         with _context.instance_attribute(unit, "call", call):
-            kept, largest, step, *read = backend.measure_unit(unit, args, kwargs, option, execution=execution)
-        measured[option] = (kept, largest, read[0] if read else kept)
+            kept, largest, step, reads[option] = backend.measure_unit(unit, args, kwargs, option, execution=execution)
+        measured[option] = (kept, largest)
         steps[option] = _patched(unit, call, step)
     # In turns, so that a slower spell of the machine falls on every option alike; the fastest counts.
     seconds = {option: float("inf") for option in steps}
@@ -481,7 +481,7 @@ def _measure_options(unit, args, kwargs, backend, base, recompute_grad, executio
             seconds[option] = min(seconds[option], time.perf_counter() - start)
     # Where a step's allocations can be read (PyTorch), what it holds is measured, not modelled.
     peaks = {option: backend.step_peaks(step) if hasattr(backend, "step_peaks") else None for option, step in steps.items()}
-    return {option: measured[option][:2] + (seconds[option], peaks[option], measured[option][2]) for option in measured}
+    return {option: measured[option] + (seconds[option], peaks[option], reads[option]) for option in measured}
 
 
 def _patched(unit, call, step):

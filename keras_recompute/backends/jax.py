@@ -428,7 +428,8 @@ def measure_unit(layer, args, kwargs, policy, timed=True, execution="compiled"):
             as a whole: NOTE [ checking a plan on JAX ]).
 
     Returns:
-        `(kept_bytes, largest_bytes, step)`, as on TensorFlow.
+        `(kept_bytes, largest_bytes, step, read_bytes)`, as on TensorFlow;
+        `read_bytes` (what a recompute makes again) is `kept_bytes` here.
     """
     del policy, execution
     trainable = [v.value for v in layer.trainable_variables]
@@ -463,10 +464,10 @@ def measure_unit(layer, args, kwargs, policy, timed=True, execution="compiled"):
         counted.add(id(var))
         kept, largest = kept + _size(var.aval), max(largest, _size(var.aval))
     if not timed:
-        return kept, largest, None
+        return kept, largest, None, kept
     step = jax.jit(jax.grad(loss, argnums=(0, 1)))
     jax.block_until_ready(step(trainable, differentiated))
-    return kept, largest, lambda: jax.block_until_ready(step(trainable, differentiated))
+    return kept, largest, lambda: jax.block_until_ready(step(trainable, differentiated)), kept
 
 
 def _size(aval):

@@ -1002,7 +1002,8 @@ def measure_unit(layer, args, kwargs, policy, timed=True, execution="compiled"):
             saved-tensor hooks see what its eager step keeps.
 
     Returns:
-        `(kept_bytes, largest_bytes, step)`, as on TensorFlow.
+        `(kept_bytes, largest_bytes, step, read_bytes)`, as on TensorFlow;
+        `read_bytes` (what a recompute makes again) is `kept_bytes` here.
     """
     del execution
     weights = [v.value for v in layer.trainable_variables]
@@ -1062,5 +1063,5 @@ def measure_unit(layer, args, kwargs, policy, timed=True, execution="compiled"):
         return None
 
     kept, largest = run(measure=True)
-    return kept, largest, (lambda: run(measure=False)) if timed else None
+    return kept, largest, (lambda: run(measure=False)) if timed else None, kept
 
