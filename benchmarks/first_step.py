@@ -11,7 +11,8 @@ by reassociation alone (below 1e-5 normwise in float32).
 
 Printed per method: the first loss, and the normwise difference of all the
 gradients from the first plain run's (the largest difference over the largest
-gradient, as the tests measure), also as a multiple of the plain spread.
+gradient, as the tests measure), also as a multiple of the plain spread, and the
+weight whose update differs most.
 
 On a GPU JAX multiplies float32 in TF32 by default (XLA's default precision):
 two programs that fuse the same step differently round differently, and a
@@ -107,7 +108,7 @@ def child(args):
     loss = float(np.asarray(model.train_on_batch(ids, labels)))
     after = [np.array(keras.ops.convert_to_numpy(w), dtype="float64") for w in model.trainable_weights]
     np.savez(path, *[b - a for b, a in zip(before, after)])
-    print(json.dumps({"loss": loss}))
+    print(json.dumps({"loss": loss, "weights": [w.path for w in model.trainable_weights]}))
 
 
 def normwise(actual, expected):
@@ -116,6 +117,16 @@ def normwise(actual, expected):
 
     scale = max(float(np.max(np.abs(e))) for e in expected if e.size)
     return max(float(np.max(np.abs(a - e))) for a, e in zip(actual, expected) if e.size) / scale
+
+
+def worst(actual, expected, names):
+    """The weight whose update differs most from `expected`'s, or None (none differs, or no names)."""
+    import numpy as np
+
+    differences = [float(np.max(np.abs(a - e))) if e.size else 0.0 for a, e in zip(actual, expected)]
+    if not differences or max(differences) == 0 or len(names) != len(differences):
+        return None
+    return names[int(np.argmax(differences))]
 
 
 def main(argv=None):
@@ -135,7 +146,7 @@ def main(argv=None):
     sizes = []
     for name in ("blocks", "hidden", "heads", "ffn", "seq", "batch", "vocab", "dropout", "dtype"):
         sizes += [f"--{name}", str(getattr(args, name))]
-    losses, gradients = {}, {}
+    losses, gradients, names = {}, {}, []
     with tempfile.TemporaryDirectory() as folder:
         for method in args.methods:
             path = os.path.join(folder, f"{method}.npz")
@@ -144,6 +155,7 @@ def main(argv=None):
                 extra_env=_child_env(args, method),
             )
             losses[method] = record.get("loss")
+            names = record.get("weights") or names
             if "error" in record:
                 print(f"{method:<15} error: {record['error']}", flush=True)
                 continue
@@ -156,13 +168,15 @@ def main(argv=None):
         row = {"method": method, "loss": losses[method]}
         if method in gradients and reference is not None and method != "none":
             row["difference"] = normwise(gradients[method], reference)
+            row["worst"] = worst(gradients[method], reference, names)
             if spread:
                 row["times_spread"] = row["difference"] / spread
         rows.append(row)
         shown = f"{row['difference']:.3g}" if "difference" in row else "-"
         times = f"  ({row['times_spread']:.2f}x plain's spread)" if "times_spread" in row else ""
         loss = f"{row['loss']:.6f}" if row["loss"] is not None else "error"
-        print(f"{method:<15} first loss {loss}  gradients vs none: {shown}{times}", flush=True)
+        where = f"  (most: {row['worst']})" if row.get("worst") else ""
+        print(f"{method:<15} first loss {loss}  gradients vs none: {shown}{times}{where}", flush=True)
     _measure.write_json(args.out, vars(args), {"platform": platform, "plain_spread": spread, "rows": rows})
 
 

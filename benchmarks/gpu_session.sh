@@ -54,15 +54,19 @@ first_step() {
   timeout -k 10 "$phase_a" python3 benchmarks/first_step.py "$@" --out "$work/$name.json" >"$work/$name.log" 2>&1
 }
 exact_list=${GPU_SESSION_EXACT-"jax:float32 jax:float32:highest jax:mixed_bfloat16 jax:mixed_bfloat16:strict torch:float32 torch:mixed_bfloat16"}
-for item in $exact_list; do  # backend:dtype[:highest|:strict], the first-step exactness runs; "" skips them
+for item in $exact_list; do  # backend:dtype[:highest|:strict|:unfused], the first-step exactness runs; "" skips them
   IFS=: read -r backend dtype precision <<<"$item"
   case "$precision" in
     highest) flags="--matmul-precision highest" ;;
-    strict) flags="--excess-precision off" ;;
+    strict | unfused) flags="--excess-precision off" ;;
     *) flags="" ;;
   esac
+  # unfused: strict, and XLA's GPU matmuls without the fusions that round inside a kernel (Triton's, cuBLASLt's
+  # epilogues): whether save_dots' and attention_core's 16x plain's spread in strict bfloat16 (2026-11-28) is that
+  fused=""
+  [ "$precision" = unfused ] && fused="--xla_gpu_enable_triton_gemm=false --xla_gpu_enable_cublaslt=false"
   # shellcheck disable=SC2086
-  first_step "first_step_${backend}_${dtype}${precision:+_$precision}" --backend "$backend" --dtype "$dtype" $flags &
+  XLA_FLAGS="${XLA_FLAGS:-} $fused" first_step "first_step_${backend}_${dtype}${precision:+_$precision}" --backend "$backend" --dtype "$dtype" $flags &
 done
 # Issue 39 step 4 (memory only, so it may share the GPU): keras-hub BERT-base at seq 512, the largest batch
 # predicted for a 16 GiB budget per option, then a step there and one above (the device allocator's peak).

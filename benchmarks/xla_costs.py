@@ -14,11 +14,19 @@ bytes a policy adds are the first guess at the time it adds (issue 39: `save_dot
 as `full` on the H200, where it saves nearly all of full's extra operations). On the CPU the figures
 are the CPU compiler's; on a GPU, the GPU's (its fusions differ). Nothing runs but one step, to
 build the model and the optimizer.
+
+Beside XLA's totals, `bytes_by_kind`: the bytes each top-level instruction of the compiled program reads
+and writes (its operands and its result; a loop's body times its known trip count), summed by what
+JAX op it came from (`bytes_by_kind`): where a policy's extra traffic goes, on the compiler that runs
+it. Names come from the instructions' metadata, so the kinds are JAX's: `random` (the threefry draws
+of dropout), `mask bits` (a policy's packed masks), `matmul`, `reduction`, `layout` (copies,
+transposes, slices), `elementwise` (the rest).
 """
 
 import argparse
 import json
 import os
+import re
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -27,6 +35,144 @@ sys.path.insert(0, HERE)
 import _measure  # noqa: E402
 
 METHODS = ("none", "ours", "save_dots", "attention_core")
+
+
+_ITEM_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
+               "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_SHAPE = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9][a-z]*)?)\[([0-9,]*)\]")
+_NOT_MOVING = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "while", "conditional", "call",
+               "after-all", "partition-id", "replica-id", "opt-barrier"}
+
+
+def _shape_bytes(shape):
+    """The bytes of an HLO shape's arrays (a tuple's summed); 8-bit float types count one byte."""
+    total = 0
+    for dtype, dims in _SHAPE.findall(shape):
+        count = 1
+        for dim in filter(None, dims.split(",")):
+            count *= int(dim)
+        total += count * _ITEM_BYTES.get(dtype, 1 if dtype.startswith("f8") else 0)
+    return total
+
+
+def _kind(items):
+    """The kind of an instruction, from `(opcode, line)` of it and, for a fusion, of the instructions it fuses."""
+    names = " ".join(re.findall(r'op_name="([^"]*)"', " ".join(line for _, line in items)))
+    opcodes = {opcode for opcode, _ in items}
+    if re.search(r"_bernoulli|_uniform|threefry|random_bits|random_wrap", names) or any(o.startswith("rng") for o in opcodes):
+        return "random"
+    if "packbits" in names:
+        return "mask bits"
+    if opcodes & {"dot", "convolution"} or re.search(r"gemm|cublas", " ".join(line for _, line in items)):
+        return "matmul"
+    if opcodes & {"reduce", "reduce-window"}:
+        return "reduction"
+    if opcodes <= {"copy", "transpose", "slice", "dynamic-slice", "dynamic-update-slice", "concatenate", "pad",
+                   "bitcast", "reshape", "broadcast", "parameter", "constant", "tuple", "get-tuple-element"}:
+        return "layout"
+    return "elementwise"
+
+
+def _instructions(hlo):
+    """`{computation: [(name, shape, opcode, operand names, line)]}` of an HLO module's text."""
+    computations, current = {}, None
+    for line in hlo.splitlines():
+        header = re.match(r"^(?:ENTRY )?%(\S+) .*\{$", line)
+        if header and not line.startswith(" "):
+            current = computations.setdefault(header.group(1), [])
+            if line.startswith("ENTRY"):
+                computations["__entry__"] = current
+            continue
+        found = re.match(r"^\s+(?:ROOT )?%(\S+) = ", line)
+        if current is None or not found:
+            continue
+        rest = line[found.end():]
+        if rest.startswith("("):  # a tuple shape: up to its closing parenthesis
+            depth = 0
+            for end, char in enumerate(rest):
+                depth += {"(": 1, ")": -1}.get(char, 0)
+                if depth == 0:
+                    break
+            shape, rest = rest[: end + 1], rest[end + 2:]
+        else:
+            shape, _, rest = rest.partition(" ")
+        opcode, _, rest = rest.partition("(")
+        depth, end = 1, 0
+        for end, char in enumerate(rest):
+            depth += {"(": 1, ")": -1}.get(char, 0)
+            if depth == 0:
+                break
+        operands = re.findall(r"%([\w.\-]+)", rest[:end])
+        current.append((found.group(1), shape, opcode, operands, line))
+    return computations
+
+
+def _dot_flops(line, shape, operands, shapes):
+    """A matrix product's operations (2 a multiply-add), from its result and its left operand's contracted sizes."""
+    contracting = re.search(r'lhs_contracting_dims=\{([0-9,]*)\}|"lhs_contracting_dimensions":\[([^\]]*)\]', line)
+    if not contracting or not operands:
+        return 0
+    dims = [int(d) for d in re.findall(r"[0-9]+", contracting.group(1) or contracting.group(2) or "")]
+    left = _SHAPE.findall(shapes.get(operands[0], ""))
+    result = _SHAPE.findall(shape)
+    if not left or not result:
+        return 0
+    sizes = [int(d) for d in filter(None, left[0][1].split(","))]
+    count = 2
+    for dim in filter(None, result[0][1].split(",")):
+        count *= int(dim)
+    for dim in dims:
+        count *= sizes[dim] if dim < len(sizes) else 1
+    return count
+
+
+def matmul_flops(hlo):
+    """The operations of a compiled program's matrix products (fused or not; a loop's each trip): a matmul the
+    program runs twice counts twice."""
+    computations = _instructions(hlo)
+    total = 0
+
+    def walk(name, times, seen):
+        nonlocal total
+        shapes = {item[0]: item[1] for item in computations.get(name, [])}
+        for _, shape, opcode, operands, line in computations.get(name, []):
+            called = re.findall(r"(?:body|calls)=%([\w.\-]+)", line)
+            if opcode in ("while", "fusion"):
+                trips = re.search(r'"known_trip_count":\{"n":"([0-9]+)"', line) if opcode == "while" else None
+                for inner in called:
+                    if inner not in seen:
+                        walk(inner, times * (int(trips.group(1)) if trips else 1), seen | {inner})
+            elif opcode == "dot" or (opcode == "custom-call" and re.search(r"gemm|matmul", line)):
+                total += times * _dot_flops(line, shape, operands, shapes)
+
+    walk("__entry__", 1, frozenset())
+    return total
+
+
+def bytes_by_kind(hlo):
+    """What a compiled program's top-level instructions read and write, in bytes, by kind (see the module's doc)."""
+    computations = _instructions(hlo)
+    totals = {}
+
+    def walk(name, times, seen):
+        shapes = {item[0]: item[1] for item in computations.get(name, [])}
+        for _, shape, opcode, operands, line in computations.get(name, []):
+            if opcode == "while":
+                body = re.search(r"body=%([\w.\-]+)", line)
+                trips = re.search(r'"known_trip_count":\{"n":"([0-9]+)"', line)
+                if body and body.group(1) not in seen:
+                    walk(body.group(1), times * (int(trips.group(1)) if trips else 1), seen | {body.group(1)})
+                continue
+            if opcode in _NOT_MOVING:
+                continue
+            moved = _shape_bytes(shape) + sum(_shape_bytes(shapes.get(o, "")) for o in operands)
+            fused = re.search(r"calls=%([\w.\-]+)", line) if opcode == "fusion" else None
+            inside = [(item[2], item[4]) for item in computations.get(fused.group(1), [])] if fused else []
+            kind = _kind([(opcode, line)] + inside)
+            totals[kind] = totals.get(kind, 0) + moved * times
+
+    walk("__entry__", 1, frozenset())
+    return totals
 
 
 def parse_args(argv=None):
@@ -72,6 +218,8 @@ def child(args):
         "bytes_accessed": cost.get("bytes accessed"),
         "transcendentals": cost.get("transcendentals"),
         "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
+        "bytes_by_kind": bytes_by_kind(compiled.as_text()),
+        "matmul_flops": matmul_flops(compiled.as_text()),
         "platform": jax.devices()[0].platform,
     }))
 
@@ -99,6 +247,9 @@ def main(argv=None):
             moved = f"{record['bytes_accessed'] / base['bytes_accessed']:.3f}x" if base else ""
             print(f"{dropout:>7} {method:<15} {record['flops'] / 1e9:>8.1f} {flops:>8} "
                   f"{record['bytes_accessed'] / 1e9:>9.2f} {moved:>8} {record['temp_bytes'] / 2**20:>8.0f}", flush=True)
+            kinds = sorted(record.get("bytes_by_kind", {}).items(), key=lambda item: -item[1])
+            print(" " * 24 + f"matmuls {record.get('matmul_flops', 0) / 1e9:.1f} GFLOP; GB by kind: "
+                  + ", ".join(f"{kind} {moved / 1e9:.2f}" for kind, moved in kinds), flush=True)
     _measure.write_json(args.out, vars(args), {"rows": rows})
 
 
