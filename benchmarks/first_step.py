@@ -29,9 +29,18 @@ every bfloat16 result rounded: what the fusion's choices cost plain.
 `--excess-precision off` runs every row that way; if the policies' difference
 is that rounding, it falls there to plain's spread.
 
+Rounding inside a matmul's kernel is beyond that switch: XLA fuses a bias or an
+activation into the matmul (the CPU's XNNPACK/YNN fusions; a GPU's cuBLASLt
+epilogues and Triton GEMM fusions) and rounds their result once, in float32, where
+a program that keeps the matmul's output for the backward rounds it twice.
+`--matmul-fusions off` compiles every row without those fusions (flags for the
+platform the rows run on). With both off, every bfloat16 rounding is where the
+program says: on the CPU every policy and offload is then plain bit for bit.
+
 Usage:
     python benchmarks/first_step.py --backend torch                     # float32
     python benchmarks/first_step.py --backend jax --dtype mixed_bfloat16
+    python benchmarks/first_step.py --backend jax --dtype mixed_bfloat16 --excess-precision off --matmul-fusions off
     python benchmarks/first_step.py --backend torch --out benchmarks/results/first_step_torch.json
 """
 
@@ -63,6 +72,7 @@ def parse_args(argv=None):
     parser.add_argument("--methods", nargs="+", choices=METHODS, help="default: all that apply (offload, none_highest: JAX and PyTorch, JAX on a GPU)")
     parser.add_argument("--matmul-precision", choices=("default", "highest"), default="default", help="JAX's float32 matmuls (default: TF32 on a GPU)")
     parser.add_argument("--excess-precision", choices=("default", "off"), default="default", help="off: XLA rounds every bfloat16 result (JAX)")
+    parser.add_argument("--matmul-fusions", choices=("default", "off"), default="default", help="off: XLA fuses nothing into a matmul's kernel (JAX)")
     parser.add_argument("--out", help="also write the results as JSON to this file")
     parser.add_argument("--child", nargs=2, metavar=("METHOD", "NPZ"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -81,12 +91,24 @@ def _default_methods(args, platform):
     ]
 
 
-def _child_env(args, method):
+# XLA's flags that keep a matmul's kernel to the matmul, per platform (an unknown flag stops XLA: each platform's own).
+MATMUL_FUSIONS_OFF = {
+    "cpu": "--xla_cpu_use_xnnpack=false --xla_cpu_experimental_ynn_fusion_type= --xla_cpu_strict_dot_conv_math=true",
+    "gpu": "--xla_gpu_enable_triton_gemm=false --xla_gpu_enable_cublaslt=false",
+}
+
+
+def _child_env(args, method, platform="cpu"):
     env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     if args.matmul_precision == "highest" or method == "none_highest":
         env["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"
+    flags = []
     if args.excess_precision == "off" or method == "none_strict":
-        env["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_allow_excess_precision=false").strip()
+        flags.append("--xla_allow_excess_precision=false")
+    if args.matmul_fusions == "off":
+        flags.append(MATMUL_FUSIONS_OFF.get(platform, ""))
+    if flags:
+        env["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", "")] + flags).strip()
     return env
 
 
@@ -141,7 +163,8 @@ def main(argv=None):
     print(f"first-step gradients: Keras 3 on {args.backend} ({platform}), {args.dtype}, {args.blocks} blocks x "
           f"hidden {args.hidden}, seq {args.seq}, batch {args.batch}, dropout {args.dropout}, SGD lr=1"
           + (", float32 matmuls at full precision" if args.matmul_precision == "highest" else "")
-          + (", every bfloat16 result rounded (no excess precision)" if args.excess_precision == "off" else ""), flush=True)
+          + (", every bfloat16 result rounded (no excess precision)" if args.excess_precision == "off" else "")
+          + (", nothing fused into a matmul's kernel" if args.matmul_fusions == "off" else ""), flush=True)
     script = os.path.abspath(__file__)
     sizes = []
     for name in ("blocks", "hidden", "heads", "ffn", "seq", "batch", "vocab", "dropout", "dtype"):
@@ -152,7 +175,7 @@ def main(argv=None):
             path = os.path.join(folder, f"{method}.npz")
             record = _measure.run(
                 script, ["--child", method, path, "--backend", args.backend, *sizes], args.backend,
-                extra_env=_child_env(args, method),
+                extra_env=_child_env(args, method, platform),
             )
             losses[method] = record.get("loss")
             names = record.get("weights") or names

@@ -58,15 +58,14 @@ for item in $exact_list; do  # backend:dtype[:highest|:strict|:unfused], the fir
   IFS=: read -r backend dtype precision <<<"$item"
   case "$precision" in
     highest) flags="--matmul-precision highest" ;;
-    strict | unfused) flags="--excess-precision off" ;;
+    strict) flags="--excess-precision off" ;;
+    # strict, and nothing fused into a matmul's kernel (Triton's GEMM fusions, cuBLASLt's epilogues): whether
+    # save_dots' and attention_core's 16x plain's spread in strict bfloat16 (2026-11-28) is that, as on the CPU
+    unfused) flags="--excess-precision off --matmul-fusions off" ;;
     *) flags="" ;;
   esac
-  # unfused: strict, and XLA's GPU matmuls without the fusions that round inside a kernel (Triton's, cuBLASLt's
-  # epilogues): whether save_dots' and attention_core's 16x plain's spread in strict bfloat16 (2026-11-28) is that
-  fused=""
-  [ "$precision" = unfused ] && fused="--xla_gpu_enable_triton_gemm=false --xla_gpu_enable_cublaslt=false"
   # shellcheck disable=SC2086
-  XLA_FLAGS="${XLA_FLAGS:-} $fused" first_step "first_step_${backend}_${dtype}${precision:+_$precision}" --backend "$backend" --dtype "$dtype" $flags &
+  first_step "first_step_${backend}_${dtype}${precision:+_$precision}" --backend "$backend" --dtype "$dtype" $flags &
 done
 # Issue 39 step 4 (memory only, so it may share the GPU): keras-hub BERT-base at seq 512, the largest batch
 # predicted for a 16 GiB budget per option, then a step there and one above (the device allocator's peak).

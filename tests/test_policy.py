@@ -16,8 +16,10 @@ The memory each policy keeps is ordered as it should be in `test_policy_memory`.
 import collections
 import contextlib
 import functools
+import json
 import os
 import re
+import sys
 
 import keras
 import numpy as np
@@ -535,6 +537,7 @@ def test_unknown_policies_name_the_valid_ones(bad):
 
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_policy_memory_child.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's allocator, in fresh processes")
@@ -608,3 +611,43 @@ def test_keras_hub_lora_backbones_under_each_policy(policy, family):
     padding[1, 10:] = 0
     call = lambda m, xs: m({"token_ids": xs[0], "padding_mask": xs[1]}, training=True)  # noqa: E731
     compare_on_and_off(backbone, [ids, padding], MODES[-1], call, steps=2)
+
+
+_BIT_FOR_BIT = r"""
+import json, os, sys, tempfile
+import numpy as np
+sys.path.insert(0, os.path.join(os.getcwd(), "benchmarks"))
+import first_step
+
+sizes = ["--backend", "jax", "--dtype", "mixed_bfloat16", "--blocks", "2", "--batch", "4"]
+updates = {}
+with tempfile.TemporaryDirectory() as folder:
+    for method in ("none", "ours", "save_dots", "attention_core", "offload"):
+        path = os.path.join(folder, method + ".npz")
+        first_step.child(first_step.parse_args(sizes + ["--child", method, path]))
+        with np.load(path) as saved:
+            updates[method] = [saved[f"arr_{i}"] for i in range(len(saved.files))]
+print(json.dumps({m: [int(np.sum(u != p)) for u, p in zip(us, updates["none"])] for m, us in updates.items()}))
+"""
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="XLA's rounding switches")
+def test_bfloat16_updates_are_plains_bit_for_bit_where_xla_rounds_as_the_program_says():
+    """NOTE in `benchmarks/first_step.py`: in mixed_bfloat16, with no excess precision and nothing fused into a
+    matmul's kernel, every policy's and offload's first SGD update (lr 1, dropout 0.1, the compiled step, two
+    BERT-shaped blocks) is plain's to the bit. Where XLA rounds otherwise (its defaults), a recompute, another
+    program, rounds elsewhere: the suite's other twins in bfloat16 allow 1e-2."""
+    import jax
+
+    if jax.devices()[0].platform != "cpu":
+        pytest.skip("on a GPU: benchmarks/first_step.py --excess-precision off --matmul-fusions off (docs/gpu.md)")
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import first_step
+
+    flags = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_allow_excess_precision=false", first_step.MATMUL_FUSIONS_OFF["cpu"]])
+    env = dict(os.environ, XLA_FLAGS=flags.strip(), PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    done = _fresh.run(["-c", _BIT_FOR_BIT], env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    differing = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(differing) == 5 and all(len(counts) == len(differing["none"]) > 10 for counts in differing.values())
+    assert all(not any(counts) for counts in differing.values()), differing
