@@ -15,12 +15,13 @@ as `full` on the H200, where it saves nearly all of full's extra operations). On
 are the CPU compiler's; on a GPU, the GPU's (its fusions differ). Nothing runs but one step, to
 build the model and the optimizer.
 
-Beside XLA's totals, `bytes_by_kind`: the bytes each top-level instruction of the compiled program reads
-and writes (its operands and its result; a loop's body times its known trip count), summed by what
-JAX op it came from (`bytes_by_kind`): where a policy's extra traffic goes, on the compiler that runs
-it. Names come from the instructions' metadata, so the kinds are JAX's: `random` (the threefry draws
-of dropout), `mask bits` (a policy's packed masks), `matmul`, `reduction`, `layout` (copies,
-transposes, slices), `elementwise` (the rest).
+Beside XLA's totals, two counts read from the compiled program's text, where a policy's extra work
+goes on the compiler that runs it: `bytes_by_kind`, what each top-level instruction reads and writes
+(its operands and its result; a loop's body times its known trip count, where XLA's totals count it
+once, and Keras's dropout is threefry, a loop of five), summed by the JAX op it came from (the
+instructions' metadata): `random` (dropout's draws), `mask bits` (a policy's packed masks), `matmul`,
+`reduction`, `layout` (copies, transposes, slices), `elementwise` (the rest); and `matmul_flops`, the
+matmuls' operations, fused or not, cuBLAS's calls included (a GPU's totals leave those out).
 """
 
 import argparse
