@@ -127,52 +127,48 @@ def _dot_flops(line, shape, operands, shapes):
     return count
 
 
-def matmul_flops(hlo):
+def _executed(computations, into_fusions=False):
+    """`(shape, opcode, operands, line, shapes, times)` for each instruction the program runs: the entry's, a loop
+    body's times its known trip count, with `into_fusions` also those a fusion fuses (`shapes`: the shapes by
+    name in the instruction's computation)."""
+
+    def walk(name, times, seen):
+        items = computations.get(name, [])
+        shapes = {item[0]: item[1] for item in items}
+        for _, shape, opcode, operands, line in items:
+            yield shape, opcode, operands, line, shapes, times
+            inner = re.search(r"body=%([\w.\-]+)", line) if opcode == "while" else None
+            if opcode == "fusion" and into_fusions:
+                inner = re.search(r"calls=%([\w.\-]+)", line)
+            if inner and inner.group(1) not in seen:
+                trips = re.search(r'"known_trip_count":\{"n":"([0-9]+)"', line) if opcode == "while" else None
+                yield from walk(inner.group(1), times * (int(trips.group(1)) if trips else 1), seen | {inner.group(1)})
+
+    return walk("__entry__", 1, frozenset())
+
+
+def matmul_flops(hlo, computations=None):
     """The operations of a compiled program's matrix products (fused or not; a loop's each trip): a matmul the
     program runs twice counts twice."""
-    computations = _instructions(hlo)
-    total = 0
-
-    def walk(name, times, seen):
-        nonlocal total
-        shapes = {item[0]: item[1] for item in computations.get(name, [])}
-        for _, shape, opcode, operands, line in computations.get(name, []):
-            called = re.findall(r"(?:body|calls)=%([\w.\-]+)", line)
-            if opcode in ("while", "fusion"):
-                trips = re.search(r'"known_trip_count":\{"n":"([0-9]+)"', line) if opcode == "while" else None
-                for inner in called:
-                    if inner not in seen:
-                        walk(inner, times * (int(trips.group(1)) if trips else 1), seen | {inner})
-            elif opcode == "dot" or (opcode == "custom-call" and re.search(r"gemm|matmul", line)):
-                total += times * _dot_flops(line, shape, operands, shapes)
-
-    walk("__entry__", 1, frozenset())
-    return total
+    return sum(
+        times * _dot_flops(line, shape, operands, shapes)
+        for shape, opcode, operands, line, shapes, times in _executed(computations or _instructions(hlo), True)
+        if opcode == "dot" or (opcode == "custom-call" and re.search(r"gemm|matmul", line))
+    )
 
 
-def bytes_by_kind(hlo):
+def bytes_by_kind(hlo, computations=None):
     """What a compiled program's top-level instructions read and write, in bytes, by kind (see the module's doc)."""
-    computations = _instructions(hlo)
+    computations = computations or _instructions(hlo)
     totals = {}
-
-    def walk(name, times, seen):
-        shapes = {item[0]: item[1] for item in computations.get(name, [])}
-        for _, shape, opcode, operands, line in computations.get(name, []):
-            if opcode == "while":
-                body = re.search(r"body=%([\w.\-]+)", line)
-                trips = re.search(r'"known_trip_count":\{"n":"([0-9]+)"', line)
-                if body and body.group(1) not in seen:
-                    walk(body.group(1), times * (int(trips.group(1)) if trips else 1), seen | {body.group(1)})
-                continue
-            if opcode in _NOT_MOVING:
-                continue
-            moved = _shape_bytes(shape) + sum(_shape_bytes(shapes.get(o, "")) for o in operands)
-            fused = re.search(r"calls=%([\w.\-]+)", line) if opcode == "fusion" else None
-            inside = [(item[2], item[4]) for item in computations.get(fused.group(1), [])] if fused else []
-            kind = _kind([(opcode, line)] + inside)
-            totals[kind] = totals.get(kind, 0) + moved * times
-
-    walk("__entry__", 1, frozenset())
+    for shape, opcode, operands, line, shapes, times in _executed(computations):
+        if opcode in _NOT_MOVING:
+            continue
+        moved = _shape_bytes(shape) + sum(_shape_bytes(shapes.get(o, "")) for o in operands)
+        fused = re.search(r"calls=%([\w.\-]+)", line) if opcode == "fusion" else None
+        inside = [(item[2], item[4]) for item in computations.get(fused.group(1), [])] if fused else []
+        kind = _kind([(opcode, line)] + inside)
+        totals[kind] = totals.get(kind, 0) + moved * times
     return totals
 
 
@@ -214,13 +210,15 @@ def child(args):
     compiled = _measure.compiled_train_step(model, ids, labels)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    hlo = compiled.as_text()
+    computations = _instructions(hlo)
     print(json.dumps({
         "flops": cost.get("flops"),
         "bytes_accessed": cost.get("bytes accessed"),
         "transcendentals": cost.get("transcendentals"),
         "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
-        "bytes_by_kind": bytes_by_kind(compiled.as_text()),
-        "matmul_flops": matmul_flops(compiled.as_text()),
+        "bytes_by_kind": bytes_by_kind(hlo, computations),
+        "matmul_flops": matmul_flops(hlo, computations),
         "platform": jax.devices()[0].platform,
     }))
 
