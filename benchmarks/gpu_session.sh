@@ -78,9 +78,12 @@ for item in $fit_list; do
     >"$work/largest_fit_bert_base_16gib_$backend.log" 2>&1 &
 done
 # What each policy adds to the step by XLA's own count on the GPU's compiler (`xla_costs.py`: nothing timed, so it
-# may share the GPU): two BERT-base blocks at batch 32, dropout 0 and 0.1. GPU_SESSION_COSTS: dtypes; "" skips.
+# may share the GPU): two BERT-base blocks at batch 32, dropout 0.1 then 0, each policy waiting as it does
+# (`add`) and at a barrier (NOTE [ how the recompute waits on JAX ]); each row written as it ends.
+# GPU_SESSION_COSTS: dtypes; "" skips.
 for dtype in ${GPU_SESSION_COSTS-"mixed_bfloat16"}; do
-  timeout -k 10 "$phase_a" python3 benchmarks/xla_costs.py --blocks 2 --batch 32 --dtype "$dtype" --dropout 0 0.1 \
+  timeout -k 10 "$phase_a" python3 benchmarks/xla_costs.py --blocks 2 --batch 32 --dtype "$dtype" --dropout 0.1 0 \
+    --wait add barrier \
     --out "$work/xla_costs_bert_blocks_${dtype}_gpu.json" >"$work/xla_costs_$dtype.log" 2>&1 &
 done
 wait

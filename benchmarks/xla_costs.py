@@ -3,6 +3,8 @@
 ```
 python benchmarks/xla_costs.py --blocks 2 --batch 4 --dtype mixed_bfloat16 --dropout 0 0.1 \
     --out benchmarks/results/xla_costs_bert_blocks_mixed_bfloat16.json
+python benchmarks/xla_costs.py --blocks 2 --batch 4 --dropout 0 0.1 --wait add barrier \
+    --out benchmarks/results/xla_costs_bert_blocks_mixed_bfloat16_wait.json
 ```
 
 `benchmarks/backends.py`'s BERT-shaped model (hidden 768, 12 heads, FFN 3072, seq 512 by default),
@@ -20,8 +22,10 @@ goes on the compiler that runs it: `bytes_by_kind`, what each top-level instruct
 (its operands and its result; a loop's body times its known trip count, where XLA's totals count it
 once, and Keras's dropout is threefry, a loop of five), summed by the JAX op it came from (the
 instructions' metadata): `random` (dropout's draws), `mask bits` (a policy's packed masks), `matmul`,
-`reduction`, `layout` (copies, transposes, slices), `elementwise` (the rest); and `matmul_flops`, the
-matmuls' operations, fused or not, cuBLAS's calls included (a GPU's totals leave those out).
+`reduction`, `layout` (copies, transposes, slices), `wait` (an instruction that only makes the recompute
+wait for the gradient, NOTE [ how the recompute waits on JAX ]: a copy where XLA could not fuse it),
+`elementwise` (the rest); and `matmul_flops`, the matmuls' operations, fused or not, cuBLAS's calls
+included (a GPU's totals leave those out).
 """
 
 import argparse
@@ -56,10 +60,16 @@ def _shape_bytes(shape):
     return total
 
 
+_WAIT_NAME = "keras_recompute_wait"  # keras_recompute.backends.jax's name for it
+_CARRYING = {"parameter", "constant", "convert", "bitcast", "broadcast", "copy", "reshape", "tuple", "get-tuple-element"}
+
+
 def _kind(items):
     """The kind of an instruction, from `(opcode, line)` of it and, for a fusion, of the instructions it fuses."""
     names = " ".join(re.findall(r'op_name="([^"]*)"', " ".join(line for _, line in items)))
     opcodes = {opcode for opcode, _ in items}
+    if _WAIT_NAME in names and all(_WAIT_NAME in line for opcode, line in items if opcode not in _CARRYING):
+        return "wait"
     if re.search(r"_bernoulli|_uniform|threefry|random_bits|random_wrap", names) or any(o.startswith("rng") for o in opcodes):
         return "random"
     if "packbits" in names:
@@ -180,8 +190,11 @@ def parse_args(argv=None):
     parser.add_argument("--dtype", default="mixed_bfloat16")
     parser.add_argument("--dropout", type=float, nargs="+", default=[0.0, 0.1])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--wait", nargs="+", default=["add"], choices=("add", "barrier"),
+                        help="how the recompute waits for the gradient (NOTE [ how the recompute waits on JAX ]); "
+                             "each is compiled for every method but none")
     parser.add_argument("--out", help="write the results as JSON here")
-    parser.add_argument("--child", nargs=2, metavar=("METHOD", "DROPOUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs=3, metavar=("METHOD", "DROPOUT", "WAIT"), help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
@@ -191,13 +204,16 @@ def backends_arguments(args, dropout):
 
 
 def child(args):
-    method, dropout = args.child
+    method, dropout, wait = args.child
     os.environ["RECOMPUTE"] = "1" if method != "none" else "0"
     import jax
     import keras
     import numpy as np
 
     import backends
+    from keras_recompute.backends import jax as jax_backend
+
+    jax_backend._WAIT_BY = wait
 
     options = backends.parse_args([str(a) for a in backends_arguments(args, dropout)])
     keras.config.set_dtype_policy(args.dtype)
@@ -229,27 +245,28 @@ def main(argv=None):
         return child(args)
     print(f"XLA's costs of a training step: {args.blocks} BERT-base blocks, seq {args.seq}, batch {args.batch}, "
           f"{args.dtype}, Adam")
-    print(f"{'dropout':>7} {'method':<15} {'GFLOP':>8} {'vs none':>8} {'GB moved':>9} {'vs none':>8} {'temp MB':>8}")
+    print(f"{'dropout':>7} {'method':<22} {'GFLOP':>8} {'vs none':>8} {'GB moved':>9} {'vs none':>8} {'temp MB':>8}")
     rows = []
     for dropout in args.dropout:
         base = None
-        for method in args.methods:
+        for method, wait in [(m, w) for w in args.wait for m in args.methods if m != "none" or w == args.wait[0]]:
             arguments = ["--blocks", args.blocks, "--seq", args.seq, "--batch", args.batch, "--dtype", args.dtype]
-            record = _measure.run(os.path.abspath(__file__), arguments + ["--child", method, dropout], "jax")
-            record.update(method=method, dropout=dropout)
+            record = _measure.run(os.path.abspath(__file__), arguments + ["--child", method, dropout, wait], "jax")
+            record.update(method=method, dropout=dropout, wait=wait)
             rows.append(record)
+            label = method if len(args.wait) == 1 or method == "none" else f"{method}, {wait}"
             if "error" in record:
-                print(f"{dropout:>7} {method:<15} failed: {record['error']}")
+                print(f"{dropout:>7} {label:<22} failed: {record['error']}")
                 continue
             base = record if method == "none" else base
             flops = f"{record['flops'] / base['flops']:.3f}x" if base else ""
             moved = f"{record['bytes_accessed'] / base['bytes_accessed']:.3f}x" if base else ""
-            print(f"{dropout:>7} {method:<15} {record['flops'] / 1e9:>8.1f} {flops:>8} "
+            print(f"{dropout:>7} {label:<22} {record['flops'] / 1e9:>8.1f} {flops:>8} "
                   f"{record['bytes_accessed'] / 1e9:>9.2f} {moved:>8} {record['temp_bytes'] / 2**20:>8.0f}", flush=True)
             kinds = sorted(record.get("bytes_by_kind", {}).items(), key=lambda item: -item[1])
-            print(" " * 24 + f"matmuls {record.get('matmul_flops', 0) / 1e9:.1f} GFLOP; GB by kind: "
+            print(" " * 31 + f"matmuls {record.get('matmul_flops', 0) / 1e9:.1f} GFLOP; GB by kind: "
                   + ", ".join(f"{kind} {moved / 1e9:.2f}" for kind, moved in kinds), flush=True)
-    _measure.write_json(args.out, vars(args), {"rows": rows})
+            _measure.write_json(args.out, vars(args), {"rows": rows})  # each row as it comes: a box may run out
 
 
 if __name__ == "__main__":

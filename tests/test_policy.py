@@ -429,6 +429,30 @@ def test_the_policies_keep_dropout_masks_on_jax(policy):
         assert draws(policy) == (2, 1)
 
 
+@pytest.mark.skipif(BACKEND != "jax", reason="JAX's lowered program")
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_recompute_that_waits_at_a_barrier_keeps_every_gradient_on_jax(policy, monkeypatch):
+    """NOTE [ how the recompute waits on JAX ]: waiting at one optimization barrier (not the default until a GPU
+    measures it) gives the twin's gradients, and the backward then waits at the barrier instead of adding zeros."""
+    import jax
+
+    from _keras3_twins import _jax_step
+    from keras_recompute.backends import jax as jax_backend
+
+    def lowered():
+        layer = block(policy)
+        with recompute_scope(True):
+            grad_fn, arguments = _jax_step(layer, [X], [0], train_call)
+            program = jax.jit(grad_fn).lower(*arguments).as_text(debug_info=True)
+        return [len(re.findall(rf'keras_recompute_wait/{op}"', program)) for op in ("optimization_barrier", "add")]
+
+    barriers, adds = lowered()
+    assert barriers == 0 and adds > 0
+    monkeypatch.setattr(jax_backend, "_WAIT_BY", "barrier")
+    compare_with_twin(AttentionBlock, [X], "jit", steps=2, policy=policy)
+    assert lowered() == [2, 0]  # the forward's seeds wait for its inputs, the backward's inputs for the gradient
+
+
 @functools.lru_cache(maxsize=None)
 def _compiled_counts(policy, offload=False):
     """`(dot, exponential)` ops in XLA's optimized program of a training step (TensorFlow or JAX)."""

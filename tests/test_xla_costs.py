@@ -58,3 +58,20 @@ def test_the_matmuls_operations_are_counted_once_each_time_they_run():
     assert xla_costs.matmul_flops(once) == 2 * 256 * 512 * 384
     gradient, _ = _compiled(jax.grad(lambda x, w: jnp.tanh(x @ w).sum(), argnums=1), x, w)  # forward, and dw
     assert xla_costs.matmul_flops(gradient) == 2 * (2 * 256 * 512 * 384)
+
+
+def test_a_wait_xla_cannot_fuse_is_counted_as_waiting():
+    """NOTE [ how the recompute waits on JAX ]: an input made to wait, read by a matmul (a library call), is a copy."""
+    import jax.numpy as jnp
+    import xla_costs
+
+    from keras_recompute.backends import jax as jax_backend
+
+    def recomputed(x, w, gradient):
+        return jnp.tanh(jax_backend._wait(x, jax_backend._zero_from(gradient)) @ w)
+
+    hlo, counted = _compiled(recomputed, jnp.ones((256, 512)), jnp.ones((512, 384)), jnp.ones((4,)))
+    kinds = xla_costs.bytes_by_kind(hlo)
+    copied = 2 * 256 * 512 * 4  # x read and written
+    assert copied <= kinds.get("wait", 0) <= copied + 64, kinds
+    assert kinds.get("matmul", 0) > 0, kinds

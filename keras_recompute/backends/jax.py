@@ -19,7 +19,8 @@ TensorFlow path (NOTE [ ordering the recompute in graphs ] there):
   * the backward adds to each argument a zero made from the incoming
     gradient's data that no compiler can fold (`where(g == g, 0, nan)`): the
     recompute can neither start before that gradient exists nor be merged
-    with the forward (124 MB for the stack above);
+    with the forward (124 MB for the stack above; NOTE [ how the recompute
+    waits on JAX ] has what that costs, and the barrier's way for a GPU);
   * the forward's integer arguments (seed states) wait for its float inputs
     the same way, or every block's dropout bits, which depend on the seeds
     alone, are drawn at the start of the step and all kept alive.
@@ -375,6 +376,27 @@ def offload_frees_device_memory():
     return jax.devices()[0].platform != "cpu"
 
 
+# NOTE [ how the recompute waits on JAX ]
+# What makes the recompute wait for the incoming gradient (NOTE [ recompute on JAX ]) is named
+# `keras_recompute_wait` in the compiled program's metadata, so a profile or
+# `benchmarks/xla_costs.py` can tell what the waiting itself costs. It is done one of two ways,
+# `_WAIT_BY`:
+#   * "add" (the default, every platform): each waited array plus a zero made from the gradient.
+#     XLA fuses such an add into the array's first elementwise consumer, where it costs nothing;
+#     where the consumer is a library call (a cuBLAS matmul on a GPU) the sum can only be written
+#     out and read again, a copy of the array per step. Under `"save_dots"` the waited arrays are
+#     every kept matmul output. On the CPU's compiler such copies are at most 0.03 GB of the
+#     8 GB a step of two BERT-base blocks moves (docs/benchmarks.md, "How the recompute waits").
+#   * "barrier": the waited arrays and the zero through one `optimization_barrier`, which
+#     copies nothing: its outputs exist only once all its inputs do, and no pass may merge what
+#     follows it with what precedes it. XLA's CPU compiler removes the barrier before it
+#     schedules (there it orders nothing, and the recompute moves back into the forward: `full`'s
+#     temporaries grew to plain's); its GPU compiler keeps it until after scheduling. Not the
+#     default until a GPU run measures it (docs/gpu.md).
+_WAIT_NAME = "keras_recompute_wait"
+_WAIT_BY = "add"
+
+
 def _zero_from(tree):
     """A zero that depends on the data of `tree`, and that no compiler can fold.
 
@@ -383,26 +405,39 @@ def _zero_from(tree):
     floats = [leaf for leaf in jax.tree_util.tree_leaves(tree) if _is_differentiable(leaf) and leaf.size]
     if not floats:
         return None
-    value = floats[0].reshape(-1)[0]
-    return jnp.where(value == value, jnp.zeros((), value.dtype), jnp.full((), jnp.nan, value.dtype))
+    with jax.named_scope(_WAIT_NAME):
+        value = floats[0].reshape(-1)[0]
+        return jnp.where(value == value, jnp.zeros((), value.dtype), jnp.full((), jnp.nan, value.dtype))
 
 
 def _wait(tree, zero, floats=True):
-    """`tree` made to depend on `zero`: floats plus it, integers plus its integer zero."""
+    """`tree` made to depend on `zero`, its floats (with `floats`) and integers (NOTE [ how the recompute waits on JAX ])."""
     if zero is None:
         return tree
-    integer_zero = jnp.isnan(zero).astype(jnp.int32)
 
-    def add(leaf):
+    def waits(leaf):
         if not isinstance(leaf, jax.Array) or leaf.dtype == jax.dtypes.float0:
-            return leaf
-        if jnp.issubdtype(leaf.dtype, jnp.inexact):
-            return leaf + zero.astype(leaf.dtype) if floats else leaf
-        if jnp.issubdtype(leaf.dtype, jnp.integer):
-            return leaf + integer_zero.astype(leaf.dtype)
-        return leaf
+            return False
+        return jnp.issubdtype(leaf.dtype, jnp.integer) or (floats and jnp.issubdtype(leaf.dtype, jnp.inexact))
 
-    return jax.tree_util.tree_map(add, tree)
+    with jax.named_scope(_WAIT_NAME):
+        if _WAIT_BY == "barrier":
+            leaves, treedef = jax.tree_util.tree_flatten(tree)
+            chosen = [i for i, leaf in enumerate(leaves) if waits(leaf)]
+            waited, _ = jax.lax.optimization_barrier(([leaves[i] for i in chosen], zero))
+            for i, leaf in zip(chosen, waited):
+                leaves[i] = leaf
+            return jax.tree_util.tree_unflatten(treedef, leaves)
+        integer_zero = jnp.isnan(zero).astype(jnp.int32)
+
+        def add(leaf):
+            if not waits(leaf):
+                return leaf
+            if jnp.issubdtype(leaf.dtype, jnp.inexact):
+                return leaf + zero.astype(leaf.dtype)
+            return leaf + integer_zero.astype(leaf.dtype)
+
+        return jax.tree_util.tree_map(add, tree)
 
 
 # NOTE [ measuring a unit on JAX ]
