@@ -1108,7 +1108,7 @@ def _repeated_blocks(nodes, cuts):
         return None
     repeats, period, first = best[0], -best[1], best[2]
     blocks = [(pieces[first + i * period][0], pieces[first + (i + 1) * period - 1][1]) for i in range(repeats)]
-    if not all(any(layer.weights for layer, _, _, _ in nodes[start:end]) for start, end in blocks):
+    if not all(any(_has_weights(layer) for layer, _, _, _ in nodes[start:end]) for start, end in blocks):
         return None
     return blocks
 
@@ -1117,11 +1117,17 @@ def _between_weights(nodes, cuts):
     """Pieces that each start at a layer with weights and take the weightless layers after it."""
     kept, start = [], 0
     for cut in cuts:
-        if nodes[cut][0].weights and any(layer.weights for layer, _, _, _ in nodes[start:cut]):
+        if _has_weights(nodes[cut][0]) and any(_has_weights(layer) for layer, _, _, _ in nodes[start:cut]):
             kept.append(cut)
             start = cut
     bounds = [0] + kept + [len(nodes)]
     return [(start, end) for start, end in zip(bounds, bounds[1:]) if end > start]
+
+
+def _has_weights(operation):
+    """Whether a graph node's operation holds weights: a layer's, or none for a Keras 3 op (`keras.ops.mean`
+    in a functional model is an `Operation`, not a layer, and has no `weights`)."""
+    return bool(getattr(operation, "weights", None))
 
 
 def _even_cuts(cuts, count_nodes, count):

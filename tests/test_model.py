@@ -159,6 +159,26 @@ def test_auto_cuts_a_graph_without_block_layers_into_its_repeats(mode):
     compare_on_and_off(model, [X], mode, train_call, steps=2)
 
 
+def ops_between_layers():
+    """Dense layers with Keras ops between them (`keras.ops.tanh`: an `Operation` in the graph, not a layer), no
+    repeats: auto cuts it between the layers with weights."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16,))
+    hidden = keras.ops.tanh(layers.Dense(16, name="dense_0")(inputs))
+    hidden = keras.ops.sin(layers.Dense(24, name="dense_1")(hidden))
+    hidden = keras.ops.mean(layers.Dense(8, name="dense_2")(hidden), axis=-1, keepdims=True)
+    return keras.Model(inputs, hidden)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_auto_cuts_a_graph_with_ops_between_its_layers(mode):
+    """An op node holds no weights (it has no `weights` at all: auto raised AttributeError on it)."""
+    model = ops_between_layers()
+    recompute_model(model)
+    assert len(_model.recomputed_units(model)) >= 2, _model.recomputed_units(model)
+    compare_on_and_off(model, [X], mode, train_call, steps=2)
+
+
 def test_auto_pieces_recompute_their_layers_once_more():
     def apply(model):
         recompute_model(model)

@@ -240,6 +240,37 @@ def test_batch_norm_statistics_update_once(K, mode):
     assert not np.allclose(np.asarray(moving[0]), 0.0)
 
 
+def state_reading_block(K):
+    """Reads a state variable, assigns it, and reads it again (an EMA codebook: keras-hub's RQ-VAE)."""
+
+    class ReadsItsState(K.layers.Layer):
+        def build(self, input_shape):
+            self.dense = K.layers.Dense(10)
+            self.average = self.add_weight(name="average", shape=(10,), initializer="ones", trainable=False)
+
+        def call(self, inputs, training=None):
+            hidden = tf.tanh(self.dense(inputs))
+            before = hidden + self.average  # the forward's state, before the call assigns it (a sum saves no operand)
+            self.average.assign(0.5 * self.average + 0.5 * tf.reduce_mean(hidden, axis=0))
+            return before + hidden * hidden * self.average  # what it just assigned, with no gradient through it
+
+    return ReadsItsState
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_call_that_reads_the_state_it_assigns(K, mode):
+    """NOTE [ a read after an assign in the recompute ] and [ tf_keras state updates ]: the recompute reads the
+    state the forward read, before and after the call's own assign, and the gradient does not flow through the
+    assign. Before: Keras 3's recompute gave the dense kernel a gradient through the assigned value (0.02 off,
+    silently); tf_keras's started from the state after the forward (caught by the check, but for XLA: 0.05 off)."""
+    x = tf.random.stateless_normal((8, 6), seed=[5, 2])
+    plain, recomputed = build_twins(K, state_reading_block(K), x)
+    actual, expected = run_twins(K, plain, recomputed, x, steps=3, mode=mode)
+    assert_steps_close(actual, expected)
+    assert_close([tf.convert_to_tensor(recomputed.average)], [tf.convert_to_tensor(plain.average)])
+    assert not np.allclose(np.asarray(plain.average), 1.0)  # the state moved, three times as plain's did
+
+
 def bert_block(K):
     class BertBlock(K.layers.Layer):
         def __init__(self, **kwargs):

@@ -8,6 +8,8 @@
     forward (the plain call's from the same counter).
   * A gradient penalty (the gradient of a gradient) through a recomputed block.
   * A loss added with `add_loss` inside the call is differentiated, once.
+  * A call that reads a state variable it assigns (an EMA codebook) trains as
+    its twin (NOTE [ a read after an assign in the recompute ]).
 """
 
 import keras
@@ -15,7 +17,9 @@ import numpy as np
 import pytest
 from keras import layers, ops
 
-from _keras3_twins import BACKEND, FAST_MODE, _numpy, assert_close, loss_and_gradients, recomputed_class, torch_tensor
+from _keras3_twins import (
+    BACKEND, FAST_MODE, MODES, _numpy, assert_close, compare_with_twin, loss_and_gradients, recomputed_class, torch_tensor,
+)
 from test_keras3 import Block
 
 from keras_recompute import RecomputeError, recompute_grad, recompute_scope
@@ -165,3 +169,42 @@ def test_add_loss_inside_a_recomputed_call_is_differentiated_once():
         count, actual = _with_losses_gradients(recomputed)
     assert count == expected_count == 2
     assert_close(actual, expected, what="gradients with the added losses")
+
+
+class ReadsItsState(layers.Layer):
+    """Reads a state variable, assigns it, and reads it again (an EMA codebook: keras-hub's RQ-VAE)."""
+
+    def build(self, input_shape):
+        self.kernel = self.add_weight(shape=(input_shape[-1], 10), name="kernel")
+        self.average = self.add_weight(shape=(10,), initializer="ones", trainable=False, name="average")
+
+    def call(self, inputs, training=None):
+        hidden = ops.tanh(ops.matmul(inputs, self.kernel))
+        before = hidden + self.average  # the forward's state, before the call assigns it (a sum saves no operand)
+        self.average.assign(0.5 * self.average + 0.5 * ops.mean(hidden, axis=0))
+        return before + hidden * hidden * self.average  # what it just assigned
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_call_that_reads_the_state_it_assigns(mode):
+    """Three steps as the twin's, the state too. Before the fix PyTorch's checkpoint raised (the recompute's read
+    after the assign carried a gradient, so it saved more tensors than the forward)."""
+    plain, _, _ = compare_with_twin(ReadsItsState, [X], mode, steps=3)
+    assert not np.allclose(_numpy(plain.average.value), 1.0)  # the state moved, as the twin's did
+
+
+class WithAnEmptyOutput(layers.Layer):
+    """Returns an empty tensor beside its output (keras-hub's EdRec decoder block: an axis of size 0)."""
+
+    def build(self, input_shape):
+        self.kernel = self.add_weight(shape=(input_shape[-1], 4), name="kernel")
+
+    def call(self, inputs, training=None):
+        hidden = ops.tanh(ops.matmul(inputs, self.kernel))
+        return hidden, hidden[:, :0]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_call_with_an_empty_output_recomputes(mode):
+    """PyTorch's recompute check fingerprints each output: an empty one has no values to differ (it raised)."""
+    compare_with_twin(WithAnEmptyOutput, [X], mode)

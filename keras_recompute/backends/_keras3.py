@@ -172,7 +172,7 @@ class replay:
 
     def __enter__(self):
         if self._state is not None:
-            stateless = _replay_scope_class()(self._state.snapshot)
+            stateless = _replay_scope_class()(self._state.snapshot, assigned_as_stored=True)
             self._scopes = (
                 stateless,
                 _SetAutocast(self._state.autocast_scope),
@@ -304,6 +304,23 @@ def training_context(layer, training):
 _REPLAY_SCOPE = []
 
 
+# NOTE [ a read after an assign in the recompute ]
+# A call may assign a state variable and read it again (an EMA codebook,
+# keras-hub's RQ-VAE: `self.ema_w.assign(...)`, then `self.ema_w / ...`). On
+# TensorFlow and PyTorch the forward stores the value and the read gets it as
+# a variable holds it: with no gradient back to what it was computed from
+# (`AssignVariableOp`; torch's `copy_` under `no_grad`). The recompute runs in
+# a stateless scope, where a read after an assign gets the assigned tensor
+# itself, so its gradient would flow back through the assignment into the
+# call's inputs and weights: TensorFlow gave the kernel an update 0.02 off
+# the plain one, silently (the values are the same, so the recompute check
+# passes), and PyTorch's checkpoint saw more saved tensors than in the forward
+# and raised. The replay stores what is assigned with its gradient stopped, as
+# the variable would. JAX's step runs in a stateless scope itself (Keras's
+# `stateless_call`), so its forward and recompute read the same tensor:
+# `collect` keeps it.
+
+
 def _replay_scope_class():
     """A `StatelessScope` that falls back on the scope it is nested in."""
     if not _REPLAY_SCOPE:
@@ -311,20 +328,27 @@ def _replay_scope_class():
         from keras.src.backend.common.stateless_scope import get_stateless_scope
 
         class ReplayScope(keras.StatelessScope):
-            def __init__(self, state_mapping):
+            def __init__(self, state_mapping, assigned_as_stored=False):
                 super().__init__(
                     state_mapping=state_mapping,
                     collect_losses=True,
                     initialize_variables=False,
                 )
                 self._parent = get_stateless_scope()
+                self._assigned_as_stored = assigned_as_stored
 
                 # The variables assigned in the scope, by id, in order.
                 self.updated = {}
 
             def add_update(self, update):
-                super().add_update(update)
-                self.updated.setdefault(id(update[0]), update[0])
+                variable, value = update
+                if self._assigned_as_stored:
+                    # NOTE [ a read after an assign in the recompute ]
+                    from keras import ops
+
+                    value = ops.stop_gradient(value)
+                super().add_update((variable, value))
+                self.updated.setdefault(id(variable), variable)
 
             def get_current_value(self, variable):
                 value = self.state_mapping.get(id(variable))

@@ -25,10 +25,16 @@ away from the original method.
 
 NOTE [ tf_keras state updates ]
 `BatchNormalization` and other layers assign non-trainable variables in
-`call`. tf_keras has no stateless scope, so the recompute saves the current
-values of the weights created non-trainable under the owner (moving statistics,
-not frozen kernels, which nothing assigns), and assigns them back after the
-recompute: the second update is undone. In a TF1-style graph the layers
+`call`. tf_keras has no stateless scope, so the forward reads the values of
+the weights created non-trainable under the owner (moving statistics, not
+frozen kernels, which nothing assigns) before it runs; the recompute saves
+their current values, sets the forward's back, runs (its reads see what the
+forward's saw, also a read after an assign in the call: an EMA codebook reads
+what it just assigned), and assigns the saved values back: the second update
+is undone. Starting from the values after the forward instead, the recompute
+of a call that reads its state computed another function: caught by the
+recompute check, but for XLA, which drops the check's asserts (the kernel's
+update came out 0.05 off). In a TF1-style graph the layers
 instead register update ops in `_updates`, which the training function runs;
 the ones the recompute registers are taken off again (the save and restore ops
 are then never run, as nothing fetches them).
@@ -336,6 +342,9 @@ class CallState:
         # sub-layer called without `training` reads it from there, so the
         # recompute must see the forward's, or its dropout would be off.
         self.call_context_args = dict(base_layer_utils.call_context().call_context_args)
+        # The state as the forward will read it, before the forward assigns it (NOTE [ tf_keras state updates ]).
+        # A read holds no copy: TensorFlow copies a variable's buffer only when an assign finds it shared.
+        self.before = [(variable, tf.identity(variable)) for variable in self.updated_variables()]
 
     def updated_variables(self):
         """The weights created non-trainable under the owner: the state a call may assign."""
@@ -435,6 +444,8 @@ class _Replay:
             )
             self._call_context.__enter__()
         self._saved = [(v, tf.identity(v)) for v in state.updated_variables()]
+        for variable, value in state.before:  # the recompute reads the state the forward read
+            variable.assign(value)
         holder = state._autocast_module._autocast_dtype
         self._previous_dtype = getattr(holder, "dtype", None)
         holder.dtype = state.autocast_dtype

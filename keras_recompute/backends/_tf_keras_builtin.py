@@ -19,9 +19,12 @@ again, and the recompute check raises when they differ.
 
 NOTE [ tf.keras state before TensorFlow 2.4 ]
 `BatchNormalization` assigns its moving statistics in `call` (at once in
-eager execution, in program order in a `tf.function`). The recompute saves the
-values of the weights under the owner that do not train and assigns them back
-after it, as `_tf_keras` does: the statistics move once. Under a mixed
+eager execution, in program order in a `tf.function`). As `_tf_keras` does
+(NOTE [ tf_keras state updates ]), the forward reads the values of the weights
+under the owner that do not train before it runs; the recompute saves their
+current values, sets the forward's back (a call that reads its state reads
+what the forward read), runs, and assigns the saved values back: the
+statistics move once. Under a mixed
 precision policy `Layer.__call__` sets the graph's variable read dtype; the
 recompute runs outside `__call__`, so it sets the forward's again.
 """
@@ -105,6 +108,11 @@ class CallState(_keras2.CallState):
         self.owner = owner if is_layer(owner) else None
         self.read_dtype = tf.compat.v1.get_default_graph()._auto_cast_variable_read_dtype
         self.training = getattr(_call_context(), "training", None)  # the forward's, which sub-layers may read
+        # The state as the forward reads it, before it assigns it (NOTE [ tf.keras state before TensorFlow 2.4 ]).
+        self.before = []
+        if self.owner is not None:
+            trains = trainability(self.owner)
+            self.before = [(v, tf.identity(v)) for v in self.owner.weights if not trains.get(id(v), True)]
 
     def forward(self):
         """Context manager: the dropout masks drawn inside it are recorded."""
@@ -137,6 +145,8 @@ class _Active:
             self._update_counts = [len(items) for items in self._update_lists]
             trains = trainability(state.owner)
             self._saved = [(v, tf.identity(v)) for v in state.owner.weights if not trains.get(id(v), True)]
+            for variable, value in state.before:  # the recompute reads the state the forward read
+                variable.assign(value)
             graph = tf.compat.v1.get_default_graph()
             self._graph, self._read_dtype = graph, graph._auto_cast_variable_read_dtype
             graph._auto_cast_variable_read_dtype = state.read_dtype

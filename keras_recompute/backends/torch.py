@@ -198,6 +198,8 @@ _TOLERANCE = 1e-3
 
 def _fingerprint(tensor):
     """`(norm, u'Xv)` of `tensor` as a matrix of its last axis, in float32, on its device."""
+    if tensor.numel() == 0:  # no value to differ (an empty cache, an axis of size 0): as a tensor of zeros
+        return torch.zeros(2, device=tensor.device)
     matrix = tensor.detach().float().reshape(-1, tensor.shape[-1] if tensor.dim() else 1)
     key = (matrix.shape[0], matrix.shape[1], matrix.device)
     if key not in _PROJECTIONS:
