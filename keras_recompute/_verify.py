@@ -36,6 +36,20 @@ config does not ask for). It also times both steps and, where the device's
 allocator keeps figures, measures their peaks.
 """
 
+# NOTE [ a plain step that is wrong too ]
+# The plain step is the reference, so verify first checks that it is one.
+# An update that is not finite (nan, inf) leaves nothing to compare. And the
+# plain step run again from the same variables and seed must give the same
+# update: on PyTorch, Keras registers a model's variables as torch parameters
+# in a dict keyed by path, so of two weights that share a path (keras-hub's
+# T5, BLIP-2 and SmolLM3 have such: a weight made outside its layer's name
+# scope) one is not a parameter; `zero_grad` before each step misses it and
+# its gradient adds up from step to step (T5's relative attention bias: its
+# update was 1x, 2x, 3x the gradient in three runs). Plain training is wrong
+# there, with or without recompute; verify names the weights and the cause
+# instead of blaming the first recomputed unit the difference reaches. Any
+# other update that grows by the same amount each run is named the same way.
+
 import importlib
 import statistics
 import sys
@@ -122,6 +136,8 @@ def verify(
         plain_run = _Runs(_compiled_with_sgd(model, keras_module), keras_module, state, x, y, seed)
         initial = [np.asarray(w, np.float64) for w in model.get_weights()]
         error, plain_updates = plain_run.updates(plain_trials, initial)
+        names = [getattr(w, "path", None) or w.name for w in model.weights]
+        plain_problem = None if error is not None else _plain_problem(model, names, plain_updates)
         plain_figure = None  # the compiler's peak of the plain step, where one states it (JAX): as the recomputed one's
         execution = _memory.execution_of(model, None, "verify")[0]
         if memory and plain_run.peak is None:
@@ -150,10 +166,9 @@ def verify(
             error, updates = recomputed_run.updates(trials, initial)
             if error is not None:
                 error = f"the recomputed step raised: {error}"
-        names = [getattr(w, "path", None) or w.name for w in model.weights]
         report = VerifyReport(
             model.name, names, _owners(model, units), [name for name, _ in units], initial, plain_updates, updates,
-            error, plain_run, recomputed_run,
+            error, plain_run, recomputed_run, plain_problem,
         )
         if recomputed_figure is not None and report.plain_peak is None:
             report.plain_peak, report.recomputed_peak = plain_figure, recomputed_figure
@@ -185,7 +200,7 @@ class VerifyReport:
     """
 
     def __init__(self, model_name, names, owners, unit_names, initial, plain_updates, updates, error, plain_run,
-                 recomputed_run):
+                 recomputed_run, plain_problem=None):
         self.model_name = model_name
         self.units = list(unit_names)
         self.trials = len(updates)
@@ -227,10 +242,12 @@ class VerifyReport:
                     "ok": all(passed[i] for i in groups[owner]) and error is None,
                 }
             )
-        self.ok = error is None and all(passed)
+        self.ok = error is None and plain_problem is None and all(passed)
         self.failure = None
         if error is not None:
             self.failure = f"keras_recompute.verify: {error}"
+        elif plain_problem is not None:
+            self.failure = plain_problem
         elif not self.ok:
             # A unit whose gradient is wrong passes it on to every weight before it: the unit to
             # name is the last one (in the forward's order) with a weight that differs.
@@ -279,6 +296,63 @@ class VerifyReport:
 
     def __repr__(self):
         return f"<VerifyReport ok={self.ok}, {len(self.units)} units, {self.trials} trials>"
+
+
+def _plain_problem(model, names, updates):
+    """Why the plain step is no reference, or None (NOTE [ a plain step that is wrong too ])."""
+    for update in updates:
+        for name, values in zip(names, update):
+            if not np.all(np.isfinite(values)):
+                return (
+                    f"keras_recompute.verify: the plain step's update of {name!r} is not finite (nan or inf): the "
+                    "model is wrong without recompute too, and there is nothing to compare with. Check the inputs, "
+                    "targets and loss on the plain model (verify trains with SGD at lr 1.0: the update is the "
+                    "gradient)."
+                )
+    if len(updates) < 2:
+        return None
+    changing = [
+        (name, [float(np.max(np.abs(u[i] - updates[0][i]), initial=0.0)) for u in updates[1:]])
+        for i, name in enumerate(names)
+        if any(np.any(u[i] != updates[0][i]) for u in updates[1:])
+    ]
+    untracked = _untracked_torch_weights(model)
+    accumulating = [(name, moves) for name, moves in changing if name in untracked]
+    if accumulating:
+        shown = ", ".join(f"{name!r} (its update moved {', '.join(f'{m:.3g}' for m in moves)})" for name, moves in accumulating[:3])
+        return (
+            f"keras_recompute.verify: the plain step is wrong without recompute: trainable weights are not "
+            f"registered as torch parameters of the model ({len(untracked)} of them), so Keras's `zero_grad` before "
+            f"each step leaves their gradients, and each step adds its gradient to the last: {shown}. Keras registers a model's "
+            f"variables by path, and these share theirs with other weights ({', '.join(repr(n) for n in sorted(set(untracked))[:3])}): "
+            "a Keras bug on PyTorch, not recompute's. Until it is fixed, clear their gradients before each step, "
+            "e.g. with a callback given to fit: `on_train_batch_begin`: `for v in self.model.trainable_variables: "
+            "v.value.grad = None`."
+        )
+    if len(updates) >= 3 and changing:
+        # Updates that grow by the same step each run: something carried from one step to the next.
+        name = max(changing, key=lambda item: item[1][-1])[0]
+        i = names.index(name)
+        first, last = updates[1][i] - updates[0][i], updates[-1][i] - updates[0][i]
+        runs = len(updates) - 1
+        if np.max(np.abs(first)) > 0 and np.max(np.abs(last - runs * first)) <= 0.01 * np.max(np.abs(last)):
+            return (
+                f"keras_recompute.verify: the plain step is wrong without recompute: run again from the same "
+                f"variables and seed, it updates {name!r} by more each time, by the same amount (something, a "
+                "gradient that accumulates, is carried from one step to the next). There is nothing to compare "
+                "with until the plain step gives the same update from the same start."
+            )
+    return None
+
+
+def _untracked_torch_weights(model):
+    """The paths of the trainable weights that PyTorch's `model.parameters()` does not list (empty off PyTorch)."""
+    from keras_recompute.backends import _keras3
+
+    if not _keras3.is_layer(model) or _keras3.backend_name() != "torch":
+        return []
+    registered = {id(parameter) for parameter in model.parameters()}
+    return [v.path for v in model.trainable_variables if id(v.value) not in registered]
 
 
 def _failure_message(weight, unit, difference, spread, units):

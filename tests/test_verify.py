@@ -164,6 +164,38 @@ def test_a_raw_random_op_is_named():
     assert not report.ok and "differ from its forward" in report.failure, report.failure
 
 
+class SharedPath(layers.Layer):
+    """A weight made outside the layer's name scope: its path ('scale') is every instance's (as keras-hub's T5,
+    BLIP-2 and SmolLM3 make some of theirs)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = layers.Dense(16)
+        self.scale = keras.Variable(np.linspace(0.5, 1.5, 16).astype("float32"), name="scale")
+
+    def call(self, inputs):
+        return inputs + self.dense(inputs) * self.scale
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="Keras registers torch parameters by path on PyTorch only")
+def test_a_plain_step_that_accumulates_a_gradient_is_named():
+    """Keras on PyTorch registers a model's variables as torch parameters by path: of two weights with one path,
+    one is left out, `zero_grad` misses it and its gradient adds up step after step (plain training is wrong).
+    verify says so, and does not blame a recomputed unit."""
+    x = np.random.RandomState(1).normal(size=(8, 16)).astype("float32")
+    report = verify(blocks_model(SharedPath, count=2), x, np.zeros((8, 1), "float32"), trials=2, memory=False)
+    assert not report.ok
+    assert "plain step is wrong without recompute" in report.failure and "'scale'" in report.failure, report.failure
+    assert "v.value.grad = None" in report.failure
+
+
+def test_a_plain_step_that_is_not_finite_is_named():
+    x = np.random.RandomState(1).normal(size=(8, 16)).astype("float32")
+    x[0, 0] = np.nan
+    report = verify(blocks_model(NoisyBlock), x, np.zeros((8, 1), "float32"), trials=2, memory=False)
+    assert not report.ok and "plain step's update of" in report.failure and "not finite" in report.failure, report.failure
+
+
 def test_bad_arguments_say_what_to_do():
     model = attention_model(keras)
     with pytest.raises(ValueError, match="not compiled"):
