@@ -115,6 +115,43 @@ def test_batch_norm_statistics_move_once():
     assert all(np.abs(w.numpy()).max() > 0 for w in plain.non_trainable_weights)  # the statistics moved
 
 
+class ReadsItsState(layers.Layer):
+    """Reads a state variable, assigns it, and reads it again (an EMA codebook)."""
+
+    def build(self, input_shape):
+        self.dense = layers.Dense(HIDDEN)
+        self.average = self.add_weight(name="average", shape=(HIDDEN,), initializer="ones", trainable=False)
+
+    def call(self, inputs):
+        hidden = tf.tanh(self.dense(inputs))
+        before = hidden + self.average  # the forward's state, before the call assigns it
+        self.average.assign(0.5 * self.average + 0.5 * tf.reduce_mean(hidden, axis=0))
+        return before + hidden * hidden * self.average  # what it just assigned
+
+
+class RecomputedReadsItsState(ReadsItsState):
+    call = recompute_grad(ReadsItsState.call)
+
+
+@pytest.mark.parametrize("how", ["eager", "function"])
+def test_a_call_that_reads_the_state_it_assigns(how):
+    """NOTE [ tf.keras state before TensorFlow 2.4 ]: the recompute reads what the forward read (before: the state
+    after the forward, another function)."""
+    x, y = _data()
+    models = []
+    for cls in (ReadsItsState, RecomputedReadsItsState):
+        tf.random.set_seed(0)
+        inputs = tf.keras.Input((HIDDEN,))
+        models.append(tf.keras.Model(inputs, layers.Dense(1)(cls()(inputs))))
+    plain, recomputed = models
+    recomputed.set_weights(plain.get_weights())
+    want = _first_updates(plain, x, y, how, trials=2)
+    with recompute_scope(True):
+        got = _first_updates(recomputed, x, y, how, trials=2)
+    assert all(np.abs(w).max() > 0 for w in want[0])  # every weight moves, the state too
+    assert max(_normwise(mine, theirs) for mine, theirs in zip(got, want)) <= 1e-6
+
+
 def test_a_frozen_block_and_a_frozen_kernel_train_as_plain():
     x, y = _data()
     plain, recomputed = _twins()
