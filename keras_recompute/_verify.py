@@ -311,33 +311,35 @@ def _plain_problem(model, names, updates):
                 )
     if len(updates) < 2:
         return None
-    changing = [
-        (name, [float(np.max(np.abs(u[i] - updates[0][i]), initial=0.0)) for u in updates[1:]])
+    changing = [  # (index, name, how far each later run's update is from the first's)
+        (i, name, [float(np.max(np.abs(u[i] - updates[0][i]), initial=0.0)) for u in updates[1:]])
         for i, name in enumerate(names)
         if any(np.any(u[i] != updates[0][i]) for u in updates[1:])
     ]
     untracked = _untracked_torch_weights(model)
-    accumulating = [(name, moves) for name, moves in changing if name in untracked]
+    accumulating = [(name, moves) for _, name, moves in changing if name in untracked]
     if accumulating:
-        shown = ", ".join(f"{name!r} (its update moved {', '.join(f'{m:.3g}' for m in moves)})" for name, moves in accumulating[:3])
+        shown = ", ".join(
+            f"{name!r} (its update moved {', '.join(f'{m:.3g}' for m in moves)})" for name, moves in accumulating[:3]
+        )
+        shared = ", ".join(repr(name) for name in sorted(set(untracked))[:3])
         return (
-            f"keras_recompute.verify: the plain step is wrong without recompute: trainable weights are not "
-            f"registered as torch parameters of the model ({len(untracked)} of them), so Keras's `zero_grad` before "
-            f"each step leaves their gradients, and each step adds its gradient to the last: {shown}. Keras registers a model's "
-            f"variables by path, and these share theirs with other weights ({', '.join(repr(n) for n in sorted(set(untracked))[:3])}): "
+            "keras_recompute.verify: the plain step is wrong without recompute: trainable weights are not "
+            f"registered as torch parameters of the model ({len(untracked)} of them), so Keras's `zero_grad` "
+            f"before each step leaves their gradients, and each step adds its gradient to the last: {shown}. "
+            f"Keras registers a model's variables by path, and these share theirs with other weights ({shared}): "
             "a Keras bug on PyTorch, not recompute's. Until it is fixed, clear their gradients before each step, "
             "e.g. with a callback given to fit: `on_train_batch_begin`: `for v in self.model.trainable_variables: "
             "v.value.grad = None`."
         )
     if len(updates) >= 3 and changing:
         # Updates that grow by the same step each run: something carried from one step to the next.
-        name = max(changing, key=lambda item: item[1][-1])[0]
-        i = names.index(name)
+        i, name, _ = max(changing, key=lambda item: item[2][-1])
         first, last = updates[1][i] - updates[0][i], updates[-1][i] - updates[0][i]
         runs = len(updates) - 1
         if np.max(np.abs(first)) > 0 and np.max(np.abs(last - runs * first)) <= 0.01 * np.max(np.abs(last)):
             return (
-                f"keras_recompute.verify: the plain step is wrong without recompute: run again from the same "
+                "keras_recompute.verify: the plain step is wrong without recompute: run again from the same "
                 f"variables and seed, it updates {name!r} by more each time, by the same amount (something, a "
                 "gradient that accumulates, is carried from one step to the next). There is nothing to compare "
                 "with until the plain step gives the same update from the same start."
