@@ -98,6 +98,8 @@ def _verify_one(keras, verify, path, name, args):
     model.compile(optimizer="sgd", loss="mse")
     batch = keras.tree.flatten(input_data)[0].shape[0]
     report = verify(model, input_data, keras.ops.zeros((batch,)), policy=args.policy, trials=args.trials, memory=False)
+    if report.failure and "_Timeout" in report.failure:  # the alarm went off inside a step, which verify reports
+        raise _Timeout()
     return {
         "model": name,
         "backbone": cls.__name__,
