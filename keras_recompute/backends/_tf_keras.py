@@ -443,7 +443,7 @@ class _Replay:
                 call_context_args=state.call_context_args,
             )
             self._call_context.__enter__()
-        self._saved = [(v, tf.identity(v)) for v in state.updated_variables()]
+        self._saved = [(v, tf.identity(v)) for v, _ in state.before]
         for variable, value in state.before:  # the recompute reads the state the forward read
             variable.assign(value)
         holder = state._autocast_module._autocast_dtype

@@ -143,8 +143,7 @@ class _Active:
                 layer._updates for layer in _under(state.owner) if isinstance(getattr(layer, "_updates", None), list)
             ]
             self._update_counts = [len(items) for items in self._update_lists]
-            trains = trainability(state.owner)
-            self._saved = [(v, tf.identity(v)) for v in state.owner.weights if not trains.get(id(v), True)]
+            self._saved = [(v, tf.identity(v)) for v, _ in state.before]
             for variable, value in state.before:  # the recompute reads the state the forward read
                 variable.assign(value)
             graph = tf.compat.v1.get_default_graph()
