@@ -419,6 +419,7 @@ def _keras_module(model):
 def _compiled_with_sgd(model, keras_module):
     """`model` compiled as it was, but with SGD at lr 1.0 (a new training step, traced anew)."""
     options = dict(_compile_arguments(model, keras_module), optimizer=keras_module.optimizers.SGD(learning_rate=1.0))
+    options["steps_per_execution"] = 1  # `train_on_batch` runs one step (tf_keras raises on more); restored after
     options.pop("metrics", None)
     options.pop("weighted_metrics", None)
     model.compile(**options)
@@ -430,7 +431,13 @@ def _compile_arguments(model, keras_module):
     if keras_module.__name__ == "keras":
         arguments = dict(model._compile_config.config)
     else:
-        arguments = dict(model._get_compile_args())
+        # tf_keras's own list leaves out how the step runs: without these, the step verified would be a
+        # tf.function whatever `compile` set, and the model would come back without its `jit_compile`.
+        arguments = dict(model._get_compile_args(), run_eagerly=model._run_eagerly, jit_compile=model._jit_compile)
+        if getattr(model, "_autotune_steps_per_execution", False):
+            arguments["steps_per_execution"] = "auto"
+        elif getattr(model, "_steps_per_execution", None) is not None:
+            arguments["steps_per_execution"] = int(model._steps_per_execution.numpy())
     arguments["optimizer"] = model.optimizer
     return arguments
 

@@ -252,3 +252,75 @@ def test_the_models_own_plan_and_optimizer_come_back():
     assert report.ok and len(report.units) == 2, str(report)  # verify's own plan: both blocks, full
     assert _model.recomputed_units(model) == plan and model.optimizer is optimizer
     assert model._keras_recompute_plan.policies == ("save_dots",)
+
+
+SEEN = []  # how each call of a `how_called_layer` ran: ("eager" or "traced", under XLA or not)
+
+
+def how_called_layer(K):
+    class HowCalled(K.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.dense = K.layers.Dense(16)
+
+        def call(self, inputs):
+            if not isinstance(inputs, keras.KerasTensor):  # a call building the model is neither
+                SEEN.append(_how_called(inputs))
+            return inputs + self.dense(inputs)
+
+    return HowCalled()
+
+
+def _how_called(inputs):
+    if BACKEND == "jax":
+        import jax
+
+        return ("traced" if isinstance(inputs, jax.core.Tracer) else "eager", None)
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+        from tensorflow.python.ops import control_flow_util
+
+        xla = control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+        return ("eager" if tf.executing_eagerly() else "traced", xla)
+    return ("eager", None)  # PyTorch runs op by op whatever is set (jit_compile is torch.compile, not tried here)
+
+
+def _how_called_model(K, settings):
+    inputs = K.Input((16,))
+    model = K.Model(inputs, K.layers.Dense(1)(how_called_layer(K)(how_called_layer(K)(inputs))))
+    model.compile(optimizer="adam", loss="mse", **settings)
+    return model
+
+
+@pytest.mark.skipif(BACKEND == "torch", reason="PyTorch runs the step op by op whatever is set")
+@pytest.mark.parametrize(
+    "settings", [{"run_eagerly": True}, {"jit_compile": True}, {"jit_compile": False, "steps_per_execution": 2}]
+)
+@pytest.mark.parametrize("module", ["keras", "tf_keras"])
+def test_the_step_verified_runs_as_the_model_is_compiled(module, settings):
+    """verify checks the user's own step: `run_eagerly` and `jit_compile` reach it (tf_keras's compile arguments
+    leave them out: verify ran a tf.function whatever was set, and the model came back without them), and the
+    model comes back with them and its `steps_per_execution` (verify's `train_on_batch` steps run one at a time)."""
+    if module == "tf_keras" and BACKEND != "tensorflow":
+        pytest.skip("tf_keras runs on TensorFlow")
+    K = keras if module == "keras" else pytest.importorskip("tf_keras")
+    model = _how_called_model(K, settings)
+    before = _compile_settings(model, module)
+    x = np.random.RandomState(1).normal(size=(8, 16)).astype("float32")
+    SEEN.clear()
+    report = verify(model, x, np.zeros((8, 1), "float32"), trials=2, memory=False)
+    assert report.ok, str(report)
+    # JAX: a step without jit_compile is op by op (TensorFlow's is a tf.function without XLA)
+    expected = "eager" if settings.get("run_eagerly") or (BACKEND == "jax" and not settings.get("jit_compile")) else "traced"
+    xla = bool(settings.get("jit_compile")) if BACKEND == "tensorflow" else None
+    if BACKEND == "jax" and expected == "eager":  # JAX's checkpoint traces the unit's call even in an eager step
+        assert (expected, xla) in SEEN, SEEN
+    else:
+        assert set(SEEN) == {(expected, xla)}, SEEN
+    assert _compile_settings(model, module) == before
+
+
+def _compile_settings(model, module):
+    if module == "keras":
+        return model.run_eagerly, model.jit_compile, model.steps_per_execution
+    return model.run_eagerly, model._jit_compile, int(model._steps_per_execution.numpy())
