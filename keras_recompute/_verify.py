@@ -464,13 +464,11 @@ def _op_by_op(model, keras_module, state, x, y, seed, initial, plain_updates, tr
     _model.unrecompute_model(model)
     error, eager_plain = _Runs(_compiled_with_sgd(model, keras_module, op_by_op=True), keras_module, state, x, y,
                                seed).updates(2, initial)
+    plan()
     eager_updates = []
     if error is None:
-        plan()
         error, eager_updates = _Runs(_compiled_with_sgd(model, keras_module, op_by_op=True), keras_module, state, x,
                                      y, seed).updates(trials, initial)
-    else:
-        plan()
     if error is not None:
         return {"error": error, "compile_spread": None, "exact": False, "difference": None}
     scale, _, differences, exact = _compare(initial, eager_plain, eager_updates)
