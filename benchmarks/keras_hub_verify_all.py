@@ -105,6 +105,8 @@ def _verify_one(keras, verify, path, name, args):
         "backbone": cls.__name__,
         "units": len(report.units),
         "ok": bool(report.ok),
+        "compilers_rounding": any(row["rounding"] for row in report.rows),  # NOTE [ what compiling moves ]
+        "cannot_tell": bool(report.cannot_tell),
         "worst_difference": max((row["difference"] for row in report.rows), default=None),
         "plain_spread": report.plain_spread,
         "failure": report.failure,
