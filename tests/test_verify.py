@@ -7,7 +7,11 @@ weight: a layer whose call changes with a Python counter (PyTorch and
 TensorFlow: the recompute check raises; JAX replays its trace and is exact),
 an in-place write the plain model refuses (PyTorch), a raw random op the
 recompute draws again (TensorFlow), and a backend whose recompute doubles its
-weight gradients (a mutation of ours, every backend).
+weight gradients (a mutation of ours, every backend). And verify's own
+yardsticks: the step it runs is the model's as compiled (eager, tf.function,
+XLA), a plain step that is wrong is named as such, and a compiled difference
+passes as the compiler's rounding only where op by op the steps match
+(NOTE [ what compiling moves ]).
 """
 
 import keras
