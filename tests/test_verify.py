@@ -9,9 +9,10 @@ an in-place write the plain model refuses (PyTorch), a raw random op the
 recompute draws again (TensorFlow), and a backend whose recompute doubles its
 weight gradients (a mutation of ours, every backend). And verify's own
 yardsticks: the step it runs is the model's as compiled (eager, tf.function,
-XLA), a plain step that is wrong is named as such, and a compiled difference
+XLA), a plain step that is wrong is named as such, a compiled difference
 passes as the compiler's rounding only where op by op the steps match
-(NOTE [ what compiling moves ]).
+(NOTE [ what compiling moves ]), and under torch.compile the steps draw the
+same dropout masks (NOTE [ torch.compile's random numbers ]).
 """
 
 import keras
@@ -289,7 +290,7 @@ def _how_called(inputs):
 
         xla = control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
         return ("eager" if tf.executing_eagerly() else "traced", xla)
-    return ("eager", None)  # PyTorch runs op by op whatever is set (jit_compile is torch.compile, not tried here)
+    return ("eager", None)  # PyTorch: op by op but with jit_compile (torch.compile: its own test, below)
 
 
 def _how_called_model(K, settings):
@@ -299,7 +300,7 @@ def _how_called_model(K, settings):
     return model
 
 
-@pytest.mark.skipif(BACKEND == "torch", reason="PyTorch runs the step op by op whatever is set")
+@pytest.mark.skipif(BACKEND == "torch", reason="torch.compile: test_a_torch_compiled_step_with_dropout_is_verified_...")
 @pytest.mark.parametrize(
     "settings", [{"run_eagerly": True}, {"jit_compile": True}, {"jit_compile": False, "steps_per_execution": 2}]
 )
@@ -397,3 +398,49 @@ def test_a_model_that_amplifies_the_compilers_rounding_passes():
     if report.op_by_op is not None:  # the compiled comparison failed (on other CPUs XLA may round alike)
         assert report.op_by_op["exact"] and report.op_by_op["compile_spread"] > 0
         assert any(row["rounding"] for row in report.rows) and "compiler's rounding" in str(report)
+
+
+class CountedDropoutBlock(layers.Layer):
+    """Attention with dropout and a Dropout: its calls counted (a recompute runs it once more a step)."""
+
+    calls = 0
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.attention = layers.MultiHeadAttention(4, 16, dropout=0.2)
+        self.norm = layers.LayerNormalization()
+        self.up = layers.Dense(128, activation="gelu")
+        self.down = layers.Dense(64)
+        self.dropout = layers.Dropout(0.3)
+
+    def call(self, inputs, training=None):
+        CountedDropoutBlock.calls += 1
+        hidden = self.norm(inputs + self.attention(inputs, inputs, training=training))
+        return hidden + self.dropout(self.down(self.up(hidden)), training=training)
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="torch.compile is PyTorch's jit_compile")
+def test_a_torch_compiled_step_with_dropout_is_verified_mask_for_mask():
+    """`jit_compile=True` on PyTorch: torch.compile draws dropout's masks with its own generator, the recomputed
+    units (run op by op inside the compiled step) with PyTorch's, so the compiled steps drew other masks and verify
+    said "cannot tell" (NOTE [ torch.compile's random numbers ]). verify compiles with `fallback_random`: OK. The
+    step is compiled (dynamo made graphs) and the unit recomputes in it (its call runs twice a step)."""
+    torch = pytest.importorskip("torch")
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16, 32))
+    hidden = layers.Dense(64)(inputs)
+    hidden = CountedDropoutBlock()(hidden)
+    model = compiled(keras.Model(inputs, layers.Dense(1)(hidden)), jit_compile=True)
+    report = verify(model, X, Y, trials=2, memory=False)
+    assert report.ok and report.op_by_op is None, str(report)  # mask for mask: no op-by-op run was needed
+    assert not torch._inductor.config.fallback_random  # the user's setting is back
+
+    from keras_recompute import recompute_model
+
+    torch._dynamo.utils.counters.clear()
+    recompute_model(model, enabled=True)
+    model.train_on_batch(X, Y)  # compiles
+    CountedDropoutBlock.calls = 0
+    model.train_on_batch(X, Y)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0, "the step was not compiled"
+    assert CountedDropoutBlock.calls == 2, f"{CountedDropoutBlock.calls} calls in a step: it did not recompute"
