@@ -95,3 +95,53 @@ def worst(updates, reference, initial):
             reduced.append(e + np.sign(a - e) * np.maximum(np.abs(a - e) - spacing, 0.0))
         errors.append(max(normwise_errors(reduced, reference)))
     return max(errors), sum(error > 1e-5 for error in errors)
+
+
+def loss_scaled_steps(K, recompute=None, steps=12, vocabulary=20):
+    """`steps` train_on_batch steps of a `mixed_float16` model whose first loss-scaled steps overflow (NOTE [ a NaN
+    gradient ] in `backends/tensorflow`): token ids through an Embedding, three Dense/LayerNorm blocks, a float32
+    head, SGD at 1e-4 under dynamic loss scaling (from 2**15, halved at each overflow, each such step skipped).
+
+    `recompute(model)` runs on the model before it compiles. Returns the model, a batch of its ids, its weights
+    before and after, and the loss scale after each step.
+    """
+    random = np.random.RandomState(0)
+    ids = random.randint(0, vocabulary, (4 * steps, 16))
+    ids[:, 0] = vocabulary - 1  # the id that a wait adding 1 pushed out of the table
+    y = 30 * random.normal(size=(4 * steps, 1)).astype("float32")
+    K.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        K.utils.set_random_seed(0)
+        inputs = K.Input((16,), dtype="int32")
+        h = K.layers.Embedding(vocabulary, 32)(inputs)
+        for _ in range(3):
+            up = K.layers.Dense(64, activation="relu")(h)
+            h = K.layers.LayerNormalization()(K.layers.Add()([h, K.layers.Dense(32)(up)]))
+        model = K.Model(inputs, K.layers.Dense(1, dtype="float32")(K.layers.GlobalAveragePooling1D()(h)))
+    finally:
+        K.mixed_precision.set_global_policy("float32")
+    if recompute:
+        recompute(model)
+    optimizer = K.optimizers.SGD(1e-4)
+    if K.__name__ == "tf_keras":  # Keras 3 wraps it itself under mixed_float16
+        optimizer = K.mixed_precision.LossScaleOptimizer(optimizer)
+    model.compile(optimizer=optimizer, loss="mse", jit_compile=False)
+    initial = [np.asarray(w, "float32") for w in model.get_weights()]
+    scales = []
+    for step in range(steps):
+        model.train_on_batch(ids[4 * step : 4 * step + 4], y[4 * step : 4 * step + 4])
+        scale = model.optimizer.dynamic_scale if K.__name__ == "keras" else model.optimizer.loss_scale
+        scales.append(float(np.asarray(scale)))
+    return model, ids[:4], initial, [np.asarray(w, "float32") for w in model.get_weights()], scales
+
+
+def assert_loss_scaled_alike(plain, recomputed):
+    """The first steps overflowed in both (skipped, the scale halved from 2**15), later ones updated the weights
+    (the scale kept), and the recomputed model's weights are the plain one's."""
+    _, _, initial, plain_weights, plain_scales = plain
+    _, _, _, weights, scales = recomputed
+    kept = any(after == before for before, after in zip(scales, scales[1:]))
+    assert scales == plain_scales and scales[0] < 2**15 and kept, (scales, plain_scales)
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(plain_weights, initial)) > 1e-4
+    for a, e in zip(weights, plain_weights):
+        np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-7)

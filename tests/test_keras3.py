@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from keras import layers, ops
 
-from _keras3_twins import BACKEND, MODES, assert_close, assert_trained_alike, build_twins, compare_with_twin, loss_and_gradients
+from _keras3_twins import BACKEND, MODES, assert_close, assert_recomputes, assert_trained_alike, build_twins, compare_with_twin, loss_and_gradients
 from keras_recompute import recompute_grad, recompute_scope
 
 RNG = np.random.RandomState(0)
@@ -223,6 +223,42 @@ def test_mixed_precision(mode, policy):
     _, recomputed, results = compare_with_twin(Noisy, [normal(8, 16)], mode, steps=2, rtol=1e-2)
     assert recomputed.dense.compute_dtype == policy.split("_")[1]
     assert len(results) == 2
+
+
+def test_a_loss_scaled_step_that_overflows_is_skipped_as_the_plain_models():
+    """NOTE [ a NaN gradient ] (backends/tensorflow): the first mixed_float16 steps overflow and are skipped, the
+    loss scale halved, in the recomputed model as in the plain one; then the same updates. TensorFlow's recompute
+    check stopped such a step; test_semantics.py has the same test for tf_keras."""
+    from _updates import assert_loss_scaled_alike, loss_scaled_steps
+    from keras_recompute import recompute_model
+
+    plain = loss_scaled_steps(keras)
+    with recompute_scope(True):
+        recomputed = loss_scaled_steps(keras, lambda model: recompute_model(model, segments=4))
+    assert_loss_scaled_alike(plain, recomputed)
+    model, ids, *_ = recomputed
+    assert_recomputes(model, [ids], call=lambda layer, xs: layer(*xs, training=True))
+
+
+class Recurrent(layers.Layer):
+    """An LSTM and a bidirectional GRU, with input and recurrent dropout: masks drawn in a loop, per step.
+
+    Not both dropouts in one layer: on PyTorch, Keras 3.15 fails such an LSTM inside a layer's first
+    call without recompute ("Tensor on device meta is not on the expected device cpu")."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.lstm = layers.LSTM(16, return_sequences=True, dropout=0.3, seed=5)
+        self.gru = layers.Bidirectional(layers.GRU(8, return_sequences=True, recurrent_dropout=0.3, seed=6))
+
+    def call(self, inputs, training=None):
+        return self.gru(self.lstm(inputs, training=training), training=training)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_recurrent_layers_with_dropout(mode):
+    _, recomputed, _ = compare_with_twin(Recurrent, [normal(4, 6, 8)], mode, steps=2)
+    assert_recomputes(recomputed, [normal(4, 6, 8)])
 
 
 def test_add_loss_inside_is_kept():

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 tf = pytest.importorskip("tensorflow")  # absent on a JAX or PyTorch GPU machine: the file skips
 
-from _twins import FRAMEWORKS, MODES, RTOL, assert_close, compile_mode, copy_weights, framework, recomputed_class
+from _twins import FRAMEWORKS, MODES, RTOL, assert_close, assert_recomputes, compile_mode, copy_weights, framework, recomputed_class
 from keras_recompute import RecomputeError, memory_report, recompute_grad, recompute_scope
 
 
@@ -366,6 +366,23 @@ def test_mixed_float16_fit_with_loss_scaling(K, jit_compile, reproducible_under)
     np.testing.assert_allclose(loss, plain_loss, rtol=1e-3)
     for a, e in zip(weights, plain_weights):
         np.testing.assert_allclose(a, e, rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("K", ["tf_keras"], indirect=True)  # Keras 3: test_keras3.py, on every backend
+def test_a_loss_scaled_step_that_overflows_is_skipped_as_the_plain_models(K):
+    """NOTE [ a NaN gradient ]: under mixed_float16 the first steps' scaled gradients overflow (NaN) and the loss
+    scale halves, the step skipped. In a tf.function a NaN gradient reaching a unit made its recompute's inputs NaN
+    (NOTE [ ordering the recompute in graphs ]): the recompute check stopped the step ("differ from its forward"),
+    and, with the check passed, token ids one past the vocabulary made the recompute's gather raise."""
+    from _updates import assert_loss_scaled_alike, loss_scaled_steps
+    from keras_recompute import recompute_model
+
+    plain = loss_scaled_steps(K)
+    with recompute_scope(True):
+        recomputed = loss_scaled_steps(K, lambda model: recompute_model(model, segments=4))
+    assert_loss_scaled_alike(plain, recomputed)
+    model, ids, *_ = recomputed
+    assert_recomputes(lambda x: model(x, training=True), tf.constant(ids), model.trainable_weights)
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -180,7 +180,7 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full", offload
                             replayed = call_with(replay_inputs, constants, wait)
             if LEGACY:
                 _refuse_unseen_variables(tape, variables, context)
-            replayed_heads, checks = expected.compare(tf.nest.flatten(replayed), name)
+            replayed_heads, checks = expected.compare(tf.nest.flatten(replayed), name, wait.exact)
             replayed_losses = [
                 loss
                 for loss in keras_replay.losses + (legacy_replay.losses if legacy_replay else [])
@@ -704,8 +704,12 @@ class _Expected:
         self.specs = [(head.returned.shape, head.returned.dtype) for head in heads]
         self.fingerprints = [_fingerprint(head.returned) for head in heads] if keep_values else None
 
-    def compare(self, replayed_leaves, name):
+    def compare(self, replayed_leaves, name, exact=None):
         """Raises `RecomputeError` on a difference.
+
+        `exact`: in a graph, the boolean tensor that is False where the
+        recompute's inputs were made NaN by a NaN gradient (`_waiter`): its
+        values are then not compared (NOTE [ a NaN gradient ]).
 
         Returns:
             The recompute's `_Head`s, and the graph assert ops of the value check.
@@ -760,7 +764,10 @@ class _Expected:
                 if not bool(difference <= limit):
                     raise RecomputeError(message + f" Fingerprints differ by {float(difference):.3g}.")
             else:
-                asserts.append(tf.debugging.assert_less_equal(difference, limit, message=message))
+                same = difference <= limit
+                if exact is not None:  # NOTE [ a NaN gradient ]
+                    same = tf.logical_or(same, tf.logical_not(exact))
+                asserts.append(tf.debugging.Assert(same, [message, "Fingerprints differ by", difference, "allowed", limit]))
         return heads, asserts
 
 
@@ -832,10 +839,29 @@ def _waiter(upstream):
     function still returns a fresh tensor, so that a tensor passed twice
     (q = k = v in self-attention) is two sources of the tape, not one whose
     gradient would be counted twice.
+
+    NOTE [ a NaN gradient ]
+    The zero added to floats is NaN where the element waited for is NaN: a
+    diverged step, or one whose loss-scaled gradient overflowed (a
+    `LossScaleOptimizer` under `mixed_float16` skips it and halves the scale;
+    its first steps do this routinely). The recompute's float inputs are then
+    NaN, and so are all of its gradients, where the plain backward's are NaN
+    in the entries the NaN reaches: both steps are non-finite (a loss-scaled
+    optimizer skips both, any other writes NaN in both). Two things had
+    stopped such a step that the plain model takes: the recompute check,
+    comparing NaN outputs with the forward's ("differ from its forward"), and
+    the integer wait, then `+ 1`, which moved a token id past the vocabulary
+    and made the recompute's gather raise. So the wait's flag (`wait.exact`,
+    False after a NaN) lets the check pass, and integers are kept whatever the
+    gradient (a minimum with a bound no value reaches; a minimum with either
+    of two values is not a constant to any optimizer). Booleans become False:
+    a mask changes only in a step whose gradients are NaN.
     """
     if tf.executing_eagerly():
         # TensorFlow 2.0's eager tf.identity hands back its input: the op is run instead.
-        return (lambda tensor: tf.raw_ops.Identity(input=tensor)) if LEGACY else tf.identity
+        wait = (lambda tensor: tf.raw_ops.Identity(input=tensor)) if LEGACY else (lambda tensor: tf.identity(tensor))
+        wait.exact = None
+        return wait
     gradient = upstream[0]
     if gradient.dtype == tf.bool:  # a forward's first tensor may be a mask (Embedding(mask_zero=True))
         gradient = tf.cast(gradient, tf.int8)
@@ -843,7 +869,8 @@ def _waiter(upstream):
     # False only for a NaN gradient; no optimizer can fold it to a constant.
     finite = tf.equal(element, element)
     float_zero = tf.where(finite, 0.0, float("nan"))
-    int_zero = tf.where(finite, 0, 1)
+    largest = tf.int64.max
+    int64_bound = tf.where(finite, tf.constant(largest, tf.int64), tf.constant(largest - 1, tf.int64))
 
     def wait(tensor):
         if tensor.dtype.is_floating or tensor.dtype.is_complex:
@@ -851,9 +878,15 @@ def _waiter(upstream):
         if tensor.dtype == tf.bool:
             return tf.logical_and(tensor, finite)
         if tensor.dtype.is_integer:
-            return tensor + tf.cast(int_zero, tensor.dtype)
+            # Not `+ where(finite, 0, 1)`: after a NaN gradient a token id one
+            # past the vocabulary made the recompute's gather raise. In int64
+            # (Minimum takes no uint8 in TensorFlow 1.x) a bound no value of a
+            # narrower type reaches: the values are kept whatever the gradient.
+            widened = tf.cast(tensor, tf.int64)
+            return tf.cast(tf.minimum(widened, int64_bound), tensor.dtype)
         return tf.identity(tensor)
 
+    wait.exact = finite  # False: what waited is NaN (NOTE [ a NaN gradient ])
     return wait
 
 

@@ -81,7 +81,7 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full"):
         constants = [wait(leaves[i]) for i in constant_positions]
         with state.replay(wait) if state else contextlib.nullcontext(), reads.replaying():
             replayed = call_with(replay_inputs, constants, wait)
-        replayed_heads, checks = expected.compare(tf.nest.flatten(replayed), name)
+        replayed_heads, checks = expected.compare(tf.nest.flatten(replayed), name, wait.exact)
         pairs = [(target, g) for target, g in zip(_Head.differentiated(replayed_heads), upstream) if g is not None]
         # Partial derivatives: a source may be computed from another (a snapshot from its variable).
         differentiated = replay_inputs + sources

@@ -116,3 +116,22 @@ def test_the_recompute_is_checked():
     gradient = K.function([inputs], K.gradients(K.sum(model.output), model.trainable_weights))
     with pytest.raises(tf.errors.InvalidArgumentError, match="noisy.*differ from its forward"):
         gradient([_data()[0]])
+
+
+def test_a_nan_gradient_is_nan_as_plain_and_passes_the_check():
+    """NOTE [ a NaN gradient ]: a NaN gradient (a diverged step, an overflowed loss-scaled one) made the recompute's
+    inputs NaN, and its check raised "differ from its forward"; the step now runs, its gradients NaN as plain's."""
+    x, _ = _data()
+    plain, recomputed = _twins()
+    scale = K.placeholder(())
+    values = []
+    for model in (plain, recomputed):
+        values.append(K.gradients(K.sum(model.output * scale), model.trainable_weights))
+    function = K.function([plain.input, recomputed.input, scale, K.learning_phase()], values[0] + values[1])
+    for value in (1.0, float("nan")):
+        computed = function([x, x, value, 1])
+        want, got = computed[: len(values[0])], computed[len(values[0]) :]
+        if value == value:
+            assert _normwise(got, want) <= 1e-6
+        else:
+            assert all(np.isnan(w).all() for w in want) and all(np.isnan(g).all() for g in got)
