@@ -13,7 +13,8 @@ import pytest
 from keras import layers, ops
 
 from _keras3_twins import BACKEND, MODES, assert_close, assert_recomputes, assert_trained_alike, build_twins, compare_with_twin, loss_and_gradients
-from keras_recompute import recompute_grad, recompute_scope
+from _updates import assert_loss_scaled_alike, loss_scaled_steps
+from keras_recompute import recompute_grad, recompute_model, recompute_scope
 
 RNG = np.random.RandomState(0)
 
@@ -229,9 +230,6 @@ def test_a_loss_scaled_step_that_overflows_is_skipped_as_the_plain_models():
     """NOTE [ a NaN gradient ] (backends/tensorflow): the first mixed_float16 steps overflow and are skipped, the
     loss scale halved, in the recomputed model as in the plain one; then the same updates. TensorFlow's recompute
     check stopped such a step; test_semantics.py has the same test for tf_keras."""
-    from _updates import assert_loss_scaled_alike, loss_scaled_steps
-    from keras_recompute import recompute_model
-
     plain = loss_scaled_steps(keras)
     with recompute_scope(True):
         recomputed = loss_scaled_steps(keras, lambda model: recompute_model(model, segments=4))

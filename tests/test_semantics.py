@@ -10,7 +10,8 @@ import pytest
 tf = pytest.importorskip("tensorflow")  # absent on a JAX or PyTorch GPU machine: the file skips
 
 from _twins import FRAMEWORKS, MODES, RTOL, assert_close, assert_recomputes, compile_mode, copy_weights, framework, recomputed_class
-from keras_recompute import RecomputeError, memory_report, recompute_grad, recompute_scope
+from _updates import assert_loss_scaled_alike, loss_scaled_steps
+from keras_recompute import RecomputeError, memory_report, recompute_grad, recompute_model, recompute_scope
 
 
 @pytest.fixture(params=FRAMEWORKS)
@@ -374,9 +375,6 @@ def test_a_loss_scaled_step_that_overflows_is_skipped_as_the_plain_models(K):
     scale halves, the step skipped. In a tf.function a NaN gradient reaching a unit made its recompute's inputs NaN
     (NOTE [ ordering the recompute in graphs ]): the recompute check stopped the step ("differ from its forward"),
     and, with the check passed, token ids one past the vocabulary made the recompute's gather raise."""
-    from _updates import assert_loss_scaled_alike, loss_scaled_steps
-    from keras_recompute import recompute_model
-
     plain = loss_scaled_steps(K)
     with recompute_scope(True):
         recomputed = loss_scaled_steps(K, lambda model: recompute_model(model, segments=4))

@@ -19,8 +19,9 @@ XLA's CSE may even merge it with the forward. So the recompute's inputs are
 made to depend on the data of the incoming gradient: one element of it is
 read, turned into a zero that no optimizer can prove to be zero
 (`where(g == g, 0, nan)`: it is NaN for a NaN gradient, so it is not a
-constant), and added to each input; see `_waiter`. `tf.recompute_grad` does
-this for the differentiated inputs only. We also make the closed-over tensors
+constant), and added to each float input (integers and booleans: `_waiter`,
+NOTE [ a NaN gradient ]). `tf.recompute_grad` does this for the
+differentiated inputs only. We also make the closed-over tensors
 (masks, token ids) and the Keras random seeds wait: otherwise every block's
 dropout masks, which depend on the seeds alone, are drawn early and all stay
 alive until their block's backward. For the same reason the forward's seeds
@@ -859,6 +860,7 @@ def _waiter(upstream):
     """
     if tf.executing_eagerly():
         # TensorFlow 2.0's eager tf.identity hands back its input: the op is run instead.
+        # A lambda either way: `wait.exact` must not be set on tf.identity itself.
         wait = (lambda tensor: tf.raw_ops.Identity(input=tensor)) if LEGACY else (lambda tensor: tf.identity(tensor))
         wait.exact = None
         return wait
