@@ -19,7 +19,12 @@ the same configuration trained on one row: the activations' memory.
 Step time: the fastest of `--steps` `train_on_batch` calls after two warm-up
 steps (the first compiles), in a child of its own without that malloc setting.
 On PyTorch the `none` child also times one training-mode forward: a step plus
-one more forward is the floor of full recompute's time.
+one more forward is the floor of full recompute's time. On a GPU each PyTorch
+child also measures one forward and backward without the optimizer's update,
+the allocator's peak there above what was allocated before it (weights and
+Adam's slots): `activations`, what recompute and offload act on. Adam's update
+can hold the step's peak (its `torch._foreach_*` copies of all the weights),
+where the kept inputs are already freed and offload cannot lower it.
 
 Usage:
     python benchmarks/backends.py --backend jax            # CPU-sized defaults
@@ -171,9 +176,36 @@ def child(args):
             forwards.append(time.perf_counter() - start)
             del outputs
         record["forward"] = min(forwards)
+    if args.backend == "torch" and args.steps:
+        record["activations"] = _torch_activations_peak(model, ids, labels)
     if args.backend == "torch" and args.profile:
         record["profile"] = _profile(lambda: model.train_on_batch(ids, labels))
     print(json.dumps(record))
+
+
+def _torch_activations_peak(model, ids, labels):
+    """On a GPU, the allocator's peak over one forward and backward (no optimizer update) above what was allocated
+    before it, in bytes; None on the CPU (no allocator statistics)."""
+    import keras
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    variables = model.trainable_variables
+    for variable in variables:
+        variable.value.grad = None
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loss = loss_fn(keras.ops.convert_to_tensor(labels), model(ids, training=True))
+    loss.backward()
+    del loss
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    for variable in variables:
+        variable.value.grad = None
+    return peak
 
 
 def _profile(step):
@@ -296,6 +328,8 @@ def main(argv=None):
             profile = record["profile"]
             kinds = ", ".join(f"{k} {v:.1f}" for k, v in sorted(profile["by_kind_ms"].items(), key=lambda kv: -kv[1]))
             print(f"{'':<15} profiled step {profile['step_ms']:.1f} ms; {profile['clock']} ms by kind: {kinds}")
+        if record.get("activations"):
+            print(f"{'':<15} forward and backward, no update: {record['activations'] / 2**20:.0f} MB above the weights and slots")
         if record.get("forward"):
             floor = (record["step"] + record["forward"]) / record["step"]
             print(f"{'':<15} one training forward {record['forward']:.3f} s: full recompute's floor (one more forward) {floor:.2f}x")

@@ -54,8 +54,8 @@ first_step() {
   timeout -k 10 "$phase_a" python3 benchmarks/first_step.py "$@" --out "$work/$name.json" >"$work/$name.log" 2>&1
 }
 exact_list=${GPU_SESSION_EXACT-"jax:float32 jax:float32:highest jax:mixed_bfloat16 jax:mixed_bfloat16:strict torch:float32 torch:mixed_bfloat16"}
-for item in $exact_list; do  # backend:dtype[:highest|:strict|:unfused], the first-step exactness runs; "" skips them
-  IFS=: read -r backend dtype precision <<<"$item"
+for item in $exact_list; do  # backend:dtype[:highest|:strict|:unfused[:dropout]], the first-step exactness runs; "" skips them
+  IFS=: read -r backend dtype precision dropout <<<"$item"
   case "$precision" in
     highest) flags="--matmul-precision highest" ;;
     strict) flags="--excess-precision off" ;;
@@ -64,8 +64,10 @@ for item in $exact_list; do  # backend:dtype[:highest|:strict|:unfused], the fir
     unfused) flags="--excess-precision off --matmul-fusions off" ;;
     *) flags="" ;;
   esac
+  # A dropout rate (e.g. 0: no masks kept, and attention_core then recomputes as full does) after the precision.
+  [ -n "$dropout" ] && flags="$flags --dropout $dropout"
   # shellcheck disable=SC2086
-  first_step "first_step_${backend}_${dtype}${precision:+_$precision}" --backend "$backend" --dtype "$dtype" $flags &
+  first_step "first_step_${backend}_${dtype}${precision:+_$precision}${dropout:+_dropout$dropout}" --backend "$backend" --dtype "$dtype" $flags &
 done
 # Issue 39 step 4 (memory only, so it may share the GPU): keras-hub BERT-base at seq 512, the largest batch
 # predicted for a 16 GiB budget per option, then a step there and one above (the device allocator's peak).
@@ -96,7 +98,10 @@ keep
 #   bert0 the same without dropout: how much of a policy's time is drawing the dropout masks again
 #   long  48 blocks x 768, seq 2048, batch 2: offload's shape (issue 39, step 3); there weights and Adam's
 #         slots (5.8 GB) outweigh the 300 MB of inputs offload moves, and it saved nothing (2026-11-26)
-#   deep  96 blocks x 256, seq 256, batch 64: a shape where the kept inputs (0.8 GB) are a large part of the peak
+#   deep  96 blocks x 256, seq 256, batch 64: a shape where the kept inputs (0.8 GB) are a large part of the
+#         activations; the step's peak (2.4 GB) was Adam's update there (2026-11-29), the same with offload
+#   deep512  the same at batch 512: the kept inputs (6.4 GB) above Adam's update (about 2.3 GB), where offload
+#         can lower the step's peak (plain does not fit in the GPU: ours and offload only)
 unset XLA_PYTHON_CLIENT_PREALLOCATE
 speed_list=${GPU_SESSION_SPEED-"bert:jax:mixed_bfloat16:200:none,ours,save_dots,attention_core deep:torch:mixed_bfloat16:90:none,ours,offload long:jax:mixed_bfloat16:150:ours,offload bert:hf:float32:70:none,checkpoint bert:jax:float32:200:none,ours,save_dots,attention_core bert:jax:float32:150:remat,rematscope bert:torch:float32:90:none,remat"}
 for item in $speed_list; do
@@ -108,6 +113,7 @@ for item in $speed_list; do
     bert0:*) command="benchmarks/backends.py --backend $backend --bert-base --seq 512 --batch 32 --dropout 0" ;;
     long:*) command="benchmarks/backends.py --backend $backend --blocks 48 --hidden 768 --heads 12 --ffn 3072 --seq 2048 --batch 2" ;;
     deep:*) command="benchmarks/backends.py --backend $backend --blocks 96 --hidden 256 --heads 4 --ffn 1024 --seq 256 --batch 64" ;;
+    deep512:*) command="benchmarks/backends.py --backend $backend --blocks 96 --hidden 256 --heads 4 --ffn 1024 --seq 256 --batch 512" ;;
     *) echo "unknown shape in $item"; continue ;;
   esac
   left=$((deadline - SECONDS))

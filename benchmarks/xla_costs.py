@@ -190,9 +190,9 @@ def parse_args(argv=None):
     parser.add_argument("--dtype", default="mixed_bfloat16")
     parser.add_argument("--dropout", type=float, nargs="+", default=[0.0, 0.1])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    parser.add_argument("--wait", nargs="+", default=["add"], choices=("add", "barrier"),
-                        help="how the recompute waits for the gradient (NOTE [ how the recompute waits on JAX ]); "
-                             "each is compiled for every method but none")
+    parser.add_argument("--wait", nargs="+", default=["add"], choices=("add", "barrier", "auto"),
+                        help="how the recompute waits for the gradient (NOTE [ how the recompute waits on JAX ]; auto: "
+                             "as the library chooses for the platform); each is compiled for every method but none")
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--child", nargs=3, metavar=("METHOD", "DROPOUT", "WAIT"), help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -213,7 +213,7 @@ def child(args):
     import backends
     from keras_recompute.backends import jax as jax_backend
 
-    jax_backend._WAIT_BY = wait
+    jax_backend._WAIT_BY = None if wait == "auto" else wait
 
     options = backends.parse_args([str(a) for a in backends_arguments(args, dropout)])
     keras.config.set_dtype_policy(args.dtype)

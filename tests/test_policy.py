@@ -432,8 +432,8 @@ def test_the_policies_keep_dropout_masks_on_jax(policy):
 @pytest.mark.skipif(BACKEND != "jax", reason="JAX's lowered program")
 @pytest.mark.parametrize("policy", POLICIES)
 def test_a_recompute_that_waits_at_a_barrier_keeps_every_gradient_on_jax(policy, monkeypatch):
-    """NOTE [ how the recompute waits on JAX ]: waiting at one optimization barrier (not the default until a GPU
-    measures it) gives the twin's gradients, and the backward then waits at the barrier instead of adding zeros."""
+    """NOTE [ how the recompute waits on JAX ]: waiting at one optimization barrier gives the twin's gradients, and
+    the backward then waits at the barrier instead of adding zeros; on a GPU the saving policies' backward does."""
     import jax
 
     from _keras3_twins import _jax_step
@@ -446,11 +446,24 @@ def test_a_recompute_that_waits_at_a_barrier_keeps_every_gradient_on_jax(policy,
             program = jax.jit(grad_fn).lower(*arguments).as_text(debug_info=True)
         return [len(re.findall(rf'keras_recompute_wait/{op}"', program)) for op in ("optimization_barrier", "add")]
 
+    monkeypatch.setattr(jax_backend, "_on_gpu", lambda: False)  # the CPU's way, on any device
     barriers, adds = lowered()
     assert barriers == 0 and adds > 0
     monkeypatch.setattr(jax_backend, "_WAIT_BY", "barrier")
     compare_with_twin(AttentionBlock, [X], "jit", steps=2, policy=policy)
     assert lowered() == [2, 0]  # the forward's seeds wait for its inputs, the backward's inputs for the gradient
+
+    # A GPU's way, on any device: the backward of the policies that keep matmul outputs (and here the
+    # dropout masks) waits at the barrier, which copies nothing into cuBLAS's matmuls; `full`'s adds
+    # (at a barrier the GPU's compiler ran its recompute early) and the seeds' adds stay.
+    monkeypatch.setattr(jax_backend, "_WAIT_BY", None)
+    monkeypatch.setattr(jax_backend, "_on_gpu", lambda: True)
+    compare_with_twin(AttentionBlock, [X], "jit", steps=2, policy=policy)
+    barriers, gpu_adds = lowered()
+    if policy == "full":
+        assert (barriers, gpu_adds) == (0, adds)
+    else:
+        assert barriers == 1 and 0 < gpu_adds < adds
 
 
 @functools.lru_cache(maxsize=None)

@@ -20,7 +20,8 @@ TensorFlow path (NOTE [ ordering the recompute in graphs ] there):
     gradient's data that no compiler can fold (`where(g == g, 0, nan)`): the
     recompute can neither start before that gradient exists nor be merged
     with the forward (124 MB for the stack above; NOTE [ how the recompute
-    waits on JAX ] has what that costs, and the barrier's way for a GPU);
+    waits on JAX ] has what that costs, and why on a GPU the backward of
+    the saving policies waits at an optimization barrier instead);
   * the forward's integer arguments (seed states) wait for its float inputs
     the same way, or every block's dropout bits, which depend on the seeds
     alone, are drawn at the start of the step and all kept alive.
@@ -301,7 +302,8 @@ def _recompute(jaxpr, policy, offload=False, keep_masks=False):
     def waited_seeds(args):
         # The seeds wait for the call's inputs, or every block's dropout bits,
         # which depend on the seeds alone, are drawn at the start of the step.
-        return (*_wait(args[:num_consts], _zero_from(args[num_consts:]), floats=False), *args[num_consts:])
+        zero = _zero_from(args[num_consts:])
+        return (*_wait(args[:num_consts], zero, floats=False, by=_wait_by(saving=False)), *args[num_consts:])
 
     policies = jax.checkpoint_policies
     saved = policies.dots_with_no_batch_dims_saveable if policy == _policy.SAVE_DOTS else None
@@ -321,7 +323,7 @@ def _recompute(jaxpr, policy, offload=False, keep_masks=False):
         def backward(linearized, cotangents):
             if offload:
                 linearized = _placed(linearized, _DEVICE, _on_host)
-            return _wait(linearized, _zero_from(cotangents))(cotangents)
+            return _wait(linearized, _zero_from(cotangents), by=_wait_by(saving=True))(cotangents)
 
     else:
 
@@ -334,7 +336,7 @@ def _recompute(jaxpr, policy, offload=False, keep_masks=False):
         def backward(args, cotangents):
             if offload:
                 args = (*args[:num_consts], *_placed(list(args[num_consts:]), _DEVICE))
-            args = _wait(args, _zero_from(cotangents))
+            args = _wait(args, _zero_from(cotangents), by=_wait_by(saving=False))
             _, vjp = jax.vjp(run, *args)
             return vjp(cotangents)
 
@@ -379,22 +381,41 @@ def offload_frees_device_memory():
 # NOTE [ how the recompute waits on JAX ]
 # What makes the recompute wait for the incoming gradient (NOTE [ recompute on JAX ]) is named
 # `keras_recompute_wait` in the compiled program's metadata, so a profile or
-# `benchmarks/xla_costs.py` can tell what the waiting itself costs. It is done one of two ways,
-# `_WAIT_BY`:
-#   * "add" (the default, every platform): each waited array plus a zero made from the gradient.
-#     XLA fuses such an add into the array's first elementwise consumer, where it costs nothing;
-#     where the consumer is a library call (a cuBLAS matmul on a GPU) the sum can only be written
-#     out and read again, a copy of the array per step. Under `"save_dots"` the waited arrays are
-#     every kept matmul output. On the CPU's compiler such copies are at most 0.03 GB of the
+# `benchmarks/xla_costs.py` can tell what the waiting itself costs. It is done one of two ways:
+#   * "add": each waited array plus a zero made from the gradient. XLA fuses such an add into
+#     the array's first elementwise consumer, where it costs nothing; where the consumer is a
+#     library call (a cuBLAS matmul on a GPU) the sum can only be written out and read again, a
+#     copy of the array per step. On the CPU's compiler such copies are at most 0.03 GB of the
 #     8 GB a step of two BERT-base blocks moves (docs/benchmarks.md, "How the recompute waits").
 #   * "barrier": the waited arrays and the zero through one `optimization_barrier`, which
 #     copies nothing: its outputs exist only once all its inputs do, and no pass may merge what
 #     follows it with what precedes it. XLA's CPU compiler removes the barrier before it
 #     schedules (there it orders nothing, and the recompute moves back into the forward: `full`'s
-#     temporaries grew to plain's); its GPU compiler keeps it until after scheduling. Not the
-#     default until a GPU run measures it (docs/gpu.md).
+#     temporaries grew to plain's); its GPU compiler keeps it.
+# `_wait_by` chooses. On a GPU the backward of `"save_dots"` and `"attention_core"` (the
+# branch that applies a linearization, whose residuals are kept matmul outputs that cuBLAS
+# reads) waits at a barrier; everything else adds. Measured by the H200's compiler
+# (docs/gpu.md, sixth session; two BERT-base blocks, batch 32, mixed_bfloat16, dropout 0.1):
+# with adds, `save_dots` copied 0.83 GB of kept products a step (0.72 GB without dropout, 7%
+# of its step's bytes), `attention_core` 0.10 GB; at a barrier each moved less (19.3 -> 17.7 GB,
+# 16.5 -> 15.6 GB) at the same temporaries (within 256 bytes). `full` at a barrier grew its
+# temporaries from 1.37 GB to 2.42 GB (plain's: 2.50 GB), so `full` adds there too, and on the
+# CPU everything adds. `_WAIT_BY` set to "add" or "barrier" forces one way everywhere
+# (benchmarks/xla_costs.py's `--wait`, the tests).
 _WAIT_NAME = "keras_recompute_wait"
-_WAIT_BY = "add"
+_WAIT_BY = None
+
+
+def _wait_by(saving):
+    """How a backward waits: "barrier" or "add" (NOTE [ how the recompute waits on JAX ])."""
+    if _WAIT_BY is not None:
+        return _WAIT_BY
+    return "barrier" if saving and _on_gpu() else "add"
+
+
+def _on_gpu():
+    """Whether JAX's default device is a GPU (CUDA or ROCm)."""
+    return jax.default_backend() == "gpu"
 
 
 def _zero_from(tree):
@@ -410,8 +431,8 @@ def _zero_from(tree):
         return jnp.where(value == value, jnp.zeros((), value.dtype), jnp.full((), jnp.nan, value.dtype))
 
 
-def _wait(tree, zero, floats=True):
-    """`tree` made to depend on `zero`, its floats (with `floats`) and integers (NOTE [ how the recompute waits on JAX ])."""
+def _wait(tree, zero, floats=True, by="add"):
+    """`tree` made to depend on `zero`, its floats (with `floats`) and integers, by `by` (NOTE [ how the recompute waits on JAX ])."""
     if zero is None:
         return tree
 
@@ -421,7 +442,7 @@ def _wait(tree, zero, floats=True):
         return jnp.issubdtype(leaf.dtype, jnp.integer) or (floats and jnp.issubdtype(leaf.dtype, jnp.inexact))
 
     with jax.named_scope(_WAIT_NAME):
-        if _WAIT_BY == "barrier":
+        if by == "barrier":
             leaves, treedef = jax.tree_util.tree_flatten(tree)
             chosen = [i for i, leaf in enumerate(leaves) if waits(leaf)]
             waited, _ = jax.lax.optimization_barrier(([leaves[i] for i in chosen], zero))
