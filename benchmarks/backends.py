@@ -9,6 +9,8 @@ Compares, in one run, each configuration in a fresh subprocess:
     remat       keras.remat around each block's call (the closure keeps
                 `training` a Python bool)
     rematscope  the encoder built inside keras.RematScope(mode="full")
+    save_dots_adds, attention_core_adds  (JAX, only when named) the policy whose
+                backward waits by adding zeros, where a GPU waits at a barrier
 
 Memory: on a GPU, the allocator's peak (`memory_stats()["peak_bytes_in_use"]`
 on JAX, `torch.cuda.max_memory_allocated()` on PyTorch). On the CPU, which has
@@ -49,7 +51,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _measure  # noqa: E402
 
 METHODS = ("none", "ours", "save_dots", "attention_core", "offload", "remat", "rematscope")
-POLICIES = {"ours": "full", "save_dots": "save_dots", "attention_core": "attention_core", "offload": "full"}
+# JAX only, not run by default: the policy with its backward waiting by adding zeros, as on the CPU, where a GPU
+# waits at a barrier (NOTE [ how the recompute waits on JAX ]): the two ways timed in one run.
+ADDS = ("save_dots_adds", "attention_core_adds")
+POLICIES = {"ours": "full", "save_dots": "save_dots", "attention_core": "attention_core", "offload": "full",
+            "save_dots_adds": "save_dots", "attention_core_adds": "attention_core"}
 
 
 def parse_args(argv=None):
@@ -67,12 +73,14 @@ def parse_args(argv=None):
     parser.add_argument("--dtype", choices=("float32", "mixed_bfloat16", "mixed_float16"), default="float32")
     parser.add_argument("--steps", type=int, default=5, help="timed steps")
     parser.add_argument("--repeat", type=int, default=1, help="timed runs of every method, in turns (median and range)")
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS + ADDS)
     parser.add_argument("--budget-gib", type=float, help="also find the largest batch that fits")
     parser.add_argument("--profile", action="store_true", help="PyTorch: one more step under torch's profiler, its time by op kind")
     parser.add_argument("--out", help="also write the results as JSON to this file (for benchmarks/plot.py)")
     parser.add_argument("--child", metavar="METHOD", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.backend != "jax" and set(args.methods) & set(ADDS):
+        parser.error(f"{', '.join(ADDS)}: JAX only (how JAX's recompute waits); PyTorch has one way")
     if args.bert_base:
         args.blocks, args.hidden, args.heads, args.ffn = 12, 768, 12, 3072
     return args
@@ -147,6 +155,10 @@ def child(args):
     import numpy as np
 
     os.environ["RECOMPUTE"] = "1" if args.child in POLICIES else "0"
+    if args.child in ADDS:
+        from keras_recompute.backends import jax as jax_backend
+
+        jax_backend._WAIT_BY = "add"
     import keras
 
     keras.config.set_dtype_policy(args.dtype)

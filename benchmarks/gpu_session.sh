@@ -113,7 +113,7 @@ for item in $speed_list; do
     bert0:*) command="benchmarks/backends.py --backend $backend --bert-base --seq 512 --batch 32 --dropout 0" ;;
     long:*) command="benchmarks/backends.py --backend $backend --blocks 48 --hidden 768 --heads 12 --ffn 3072 --seq 2048 --batch 2" ;;
     deep:*) command="benchmarks/backends.py --backend $backend --blocks 96 --hidden 256 --heads 4 --ffn 1024 --seq 256 --batch 64" ;;
-    deep512:*) command="benchmarks/backends.py --backend $backend --blocks 96 --hidden 256 --heads 4 --ffn 1024 --seq 256 --batch 512" ;;
+    deep512:*) command="benchmarks/backends.py --backend $backend --blocks 96 --hidden 256 --heads 4 --ffn 1024 --seq 256 --batch 512 --steps 2" ;;
     *) echo "unknown shape in $item"; continue ;;
   esac
   left=$((deadline - SECONDS))
