@@ -151,6 +151,19 @@ def worst(actual, expected, names):
     return names[int(np.argmax(differences))]
 
 
+def differing(actual, expected, names):
+    """Each weight whose update differs from `expected`'s at all, with its largest difference: where the
+    backward, last block first, first departs from plain's tells which op departs."""
+    import numpy as np
+
+    found = {}
+    for name, a, e in zip(names, actual, expected):
+        difference = float(np.max(np.abs(a - e))) if e.size else 0.0
+        if difference:
+            found[name] = difference
+    return found
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.child:
@@ -192,6 +205,8 @@ def main(argv=None):
         if method in gradients and reference is not None and method != "none":
             row["difference"] = normwise(gradients[method], reference)
             row["worst"] = worst(gradients[method], reference, names)
+            if len(names) == len(reference):
+                row["differing"] = differing(gradients[method], reference, names)
             if spread:
                 row["times_spread"] = row["difference"] / spread
         rows.append(row)
@@ -199,6 +214,8 @@ def main(argv=None):
         times = f"  ({row['times_spread']:.2f}x plain's spread)" if "times_spread" in row else ""
         loss = f"{row['loss']:.6f}" if row["loss"] is not None else "error"
         where = f"  (most: {row['worst']})" if row.get("worst") else ""
+        if "differing" in row:
+            where += f"  {len(row['differing'])} of {len(names)} weights differ"
         print(f"{method:<15} first loss {loss}  gradients vs none: {shown}{times}{where}", flush=True)
     _measure.write_json(args.out, vars(args), {"platform": platform, "plain_spread": spread, "rows": rows})
 
