@@ -21,7 +21,9 @@ the same configuration trained on one row: the activations' memory.
 Step time: the fastest of `--steps` `train_on_batch` calls after two warm-up
 steps (the first compiles), in a child of its own without that malloc setting.
 On PyTorch the `none` child also times one training-mode forward: a step plus
-one more forward is the floor of full recompute's time. On a GPU each PyTorch
+one more forward is the floor of full recompute's time. `--predict` adds
+`memory_report`'s predicted peak of each configuration as it runs, beside the
+allocator's on a GPU. On a GPU each PyTorch
 child also measures one forward and backward without the optimizer's update,
 the allocator's peak there above what was allocated before it (weights and
 Adam's slots): `activations`, what recompute and offload act on. Adam's update
@@ -76,6 +78,9 @@ def parse_args(argv=None):
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS + ADDS)
     parser.add_argument("--budget-gib", type=float, help="also find the largest batch that fits")
     parser.add_argument("--profile", action="store_true", help="PyTorch: one more step under torch's profiler, its time by op kind")
+    parser.add_argument("--predict", action="store_true",
+                        help="also memory_report's predicted peak of each configuration (and where in the step), "
+                             "beside the measured one")
     parser.add_argument("--out", help="also write the results as JSON to this file (for benchmarks/plot.py)")
     parser.add_argument("--child", metavar="METHOD", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -190,6 +195,11 @@ def child(args):
         record["forward"] = min(forwards)
     if args.backend == "torch" and args.steps:
         record["activations"] = _torch_activations_peak(model, ids, labels)
+    if args.predict:
+        import keras_recompute
+
+        report = keras_recompute.memory_report(model, ids)  # the decorated blocks' policy and offload, as they run
+        record.update(predicted=report.predicted_peak, predicted_at=report.peak_at, predicted_offload=report.offload)
     if args.backend == "torch" and args.profile:
         record["profile"] = _profile(lambda: model.train_on_batch(ids, labels))
     print(json.dumps(record))
@@ -263,6 +273,8 @@ def child_arguments(args, method, batch, steps=None):
         arguments += [f"--{name}", getattr(args, name)]
     if args.profile and steps is None:
         arguments.append("--profile")
+    if args.predict and steps is None:
+        arguments.append("--predict")
     return arguments + ["--batch", batch, "--steps", args.steps if steps is None else steps]
 
 
@@ -340,6 +352,10 @@ def main(argv=None):
             profile = record["profile"]
             kinds = ", ".join(f"{k} {v:.1f}" for k, v in sorted(profile["by_kind_ms"].items(), key=lambda kv: -kv[1]))
             print(f"{'':<15} profiled step {profile['step_ms']:.1f} ms; {profile['clock']} ms by kind: {kinds}")
+        if record.get("predicted"):
+            measured = f" (measured {record['peak'] / record['predicted']:.2f}x it)" if platform != "cpu" else ""
+            print(f"{'':<15} memory_report predicted {record['predicted'] / 2**20:.0f} MB{measured}"
+                  + (f", {record['predicted_at']}" if record.get("predicted_at") else ""))
         if record.get("activations"):
             print(f"{'':<15} forward and backward, no update: {record['activations'] / 2**20:.0f} MB above the weights and slots")
         if record.get("forward"):

@@ -101,7 +101,8 @@ keep
 #   deep  96 blocks x 256, seq 256, batch 64: a shape where the kept inputs (0.8 GB) are a large part of the
 #         activations; the step's peak (2.4 GB) was Adam's update there (2026-11-29), the same with offload
 #   deep512  the same at batch 512: the kept inputs (6.4 GB) above Adam's update (about 2.3 GB), where offload
-#         can lower the step's peak (plain does not fit in the GPU: ours and offload only)
+#         can lower the step's peak (plain does not fit in the GPU: ours and offload only), with memory_report's
+#         prediction of each beside the allocator's peak
 unset XLA_PYTHON_CLIENT_PREALLOCATE
 speed_list=${GPU_SESSION_SPEED-"bert:jax:mixed_bfloat16:200:none,ours,save_dots,attention_core deep:torch:mixed_bfloat16:90:none,ours,offload long:jax:mixed_bfloat16:150:ours,offload bert:hf:float32:70:none,checkpoint bert:jax:float32:200:none,ours,save_dots,attention_core bert:jax:float32:150:remat,rematscope bert:torch:float32:90:none,remat"}
 for item in $speed_list; do
@@ -113,7 +114,7 @@ for item in $speed_list; do
     bert0:*) command="benchmarks/backends.py --backend $backend --bert-base --seq 512 --batch 32 --dropout 0" ;;
     long:*) command="benchmarks/backends.py --backend $backend --blocks 48 --hidden 768 --heads 12 --ffn 3072 --seq 2048 --batch 2" ;;
     deep:*) command="benchmarks/backends.py --backend $backend --blocks 96 --hidden 256 --heads 4 --ffn 1024 --seq 256 --batch 64" ;;
-    deep512:*) command="benchmarks/backends.py --backend $backend --blocks 96 --hidden 256 --heads 4 --ffn 1024 --seq 256 --batch 512 --steps 2" ;;
+    deep512:*) command="benchmarks/backends.py --backend $backend --blocks 96 --hidden 256 --heads 4 --ffn 1024 --seq 256 --batch 512 --steps 2 --predict" ;;
     *) echo "unknown shape in $item"; continue ;;
   esac
   left=$((deadline - SECONDS))

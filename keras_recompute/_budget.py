@@ -281,15 +281,41 @@ class Model:
 
     def peak(self, choice):
         """The predicted peak, in bytes, with `choice[i]` the policy of unit i (`"none"`: kept)."""
+        return self.peak_point(choice)[0]
+
+    def peak_point(self, choice):
+        """`(bytes, point)`: the predicted peak and where in the step it is (`point_text` says it in words).
+
+        `point`: `(i, "forward")` or `(i, "backward")` for unit i's, `"loss"`
+        for the loss's backward, None for the end, after the backward. The
+        first point of the largest value, in the order below.
+        """
         fixed = self._fixed()
-        peak = fixed + self._held(len(self.units))
+        peak, point = fixed + self._held(len(self.units)), None
         kept = 0
         for index, (unit, policy) in enumerate(zip(self.units, choice)):
             option = unit.options[policy]
-            peak = max(peak, fixed + self.forward_held + kept + unit.input_bytes + option.forward)  # its forward
+            forward = fixed + self.forward_held + kept + unit.input_bytes + option.forward
+            if forward > peak:
+                peak, point = forward, (index, "forward")
             kept += option.kept
-            peak = max(peak, fixed + self._held(index) + kept + option.transient)
-        return max(peak, fixed + kept + self.loss)  # the loss's backward, before any unit's
+            backward = fixed + self._held(index) + kept + option.transient
+            if backward > peak:
+                peak, point = backward, (index, "backward")
+        if fixed + kept + self.loss > peak:  # the loss's backward, before any unit's
+            peak, point = fixed + kept + self.loss, "loss"
+        return peak, point
+
+    def point_text(self, point):
+        """A `peak_point` point in words."""
+        if point is None:
+            if self.applied_as_made:
+                return "at the end of the backward, at the last gradients' update"
+            return "after the backward, " + ("at the optimizer's update" if self.update else "with every gradient")
+        if point == "loss":
+            return "in the loss's backward"
+        index, phase = point
+        return f"in {self.units[index].name}'s {phase}"
 
     def largest_tensor(self):
         """The largest tensor the units' backward makes, whatever the plan: a unit's, or a unit's weight's gradient."""

@@ -141,13 +141,30 @@ def recompute_grad(fn=None, *, enabled=None, check=True, policy="full", offload=
         # __wrapped__ but honours __signature__.
         wrapper.__signature__ = signature
     setattr(wrapper, _MARK, True)
+    setattr(wrapper, _OPTIONS, (enabled, policy, offload))
     if "tensorflow" in sys.modules:  # NOTE [ AutoGraph before TensorFlow 2.4 ] in `_tf_private`
         importlib.import_module("keras_recompute.backends._tf_private").leave_to_autograph(wrapper)
     return wrapper
 
 
-# Set on every function `recompute_grad` returns.
+# Set on every function `recompute_grad` returns; `_OPTIONS`: its `(enabled, policy, offload)`.
 _MARK = "_keras_recompute_wrapper"
+_OPTIONS = "_keras_recompute_options"
+
+
+def decorated_policy(call):
+    """`(policy, offload)` of a call decorated by `recompute_grad` that recomputes now, or None.
+
+    A bound method of a decorated `call` (a class's, or an instance's own) is
+    read through; None where it is not decorated, or its switch is off.
+    """
+    fn = call.__func__ if isinstance(call, types.MethodType) else call
+    options = getattr(fn, _OPTIONS, None)
+    if options is None:
+        return None
+    enabled, policy, offload = options
+    on = _config.is_enabled() if enabled is None else enabled
+    return (policy, offload) if on else None
 
 
 def _undecorated(fn):

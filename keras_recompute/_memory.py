@@ -72,6 +72,10 @@ class MemoryReport:
         execution: the execution the prediction is for, `"eager"` or
             `"compiled"` (NOTE [ which execution a plan is for ]).
         execution_reason: why that one.
+        peak_at: where in the step the predicted peak is, in words (a unit's
+            forward or backward, the loss's backward, or after the backward,
+            where the optimizer's update runs and neither recompute nor
+            offload lowers it); `""` where a compiler states the peak (JAX).
         switch: a line when the model has a plan that the switch keeps off
             now (the rows and peak are then the plain model's), else `""`.
     """
@@ -87,6 +91,7 @@ class MemoryReport:
         self.floor = floor
         self.plain_peak = plain_peak
         self.measure_seconds = measure_seconds
+        self.peak_at = ""  # where in the step the predicted peak is, in words ("" where a compiler states it)
         self.offload = ""  # a line on offload (NOTE [ offload ] in `_policy`) when it was asked for
         self.switch = ""  # a line when the model has a plan that the switch keeps off now
 
@@ -110,8 +115,9 @@ class MemoryReport:
                 text.append("  ".join("-" * width for width in widths))
         text.append(
             f"predicted peak of a training step run {'eagerly' if self.execution == EAGER else 'compiled'} "
-            f"({self.execution_reason}): {_budget.format_bytes(self.predicted_peak)} "
-            f"(weights, optimizer and batch {_budget.format_bytes(self.resident)}; with no recompute "
+            f"({self.execution_reason}): {_budget.format_bytes(self.predicted_peak)}"
+            + (f", {self.peak_at}" if self.peak_at else "")
+            + f" (weights, optimizer and batch {_budget.format_bytes(self.resident)}; with no recompute "
             f"{_budget.format_bytes(self.plain_peak)}; the least any plan reaches {_budget.format_bytes(self.floor)})"
         )
         if self.offload:
@@ -146,9 +152,16 @@ def report(model, units, inputs, current, execution=None, offload=False):
             }
         )
     plain = measured.peak([_budget.NONE] * len(units))
-    predicted = compiled_peak(model, inputs, measured, execution)
+    predicted, where = compiled_peak(model, inputs, measured, execution), ""
     if predicted is None:
-        predicted = measured.peak(current)
+        predicted, point = measured.peak_point(current)
+        where = measured.point_text(point)
+        frees = offload and getattr(_measuring_backend(model), "offload_frees_device_memory", lambda: False)()
+        if frees and point is None and any(policy != _budget.NONE for policy in current):
+            # Measured on an H200 (docs/gpu.md, 2026-11-29): Adam's update held the step's peak, the same to the
+            # byte with offload.
+            offload_line += "; the predicted peak is after the backward, where nothing offloaded is on the device: " \
+                            "offload does not lower it"
     elif all(policy == _budget.NONE for policy in current):
         plain = predicted
     # No recompute is itself a plan: where the compiler's figure for it is below the units' sum
@@ -156,6 +169,7 @@ def report(model, units, inputs, current, execution=None, offload=False):
     floor = min(measured.floor(), plain)
     title = f"keras_recompute memory report: {model.name!r}, {len(units)} units, {_backend_name(model)}"
     result = MemoryReport(title, rows, predicted, measured.resident, floor, plain, seconds, execution, reason)
+    result.peak_at = where
     result.offload = offload_line
     return result
 

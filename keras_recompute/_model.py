@@ -31,7 +31,7 @@ import sys
 import warnings
 
 from keras_recompute import _budget, _config, _context, _fit, _memory, _policy
-from keras_recompute._decorator import _undecorated, recompute_grad
+from keras_recompute._decorator import _undecorated, decorated_policy, recompute_grad
 from keras_recompute._errors import RecomputeError
 
 # Attributes of keras-hub backbones that list their repeated blocks.
@@ -217,13 +217,22 @@ def memory_report(model, inputs, *, blocks="auto", execution=None, offload=None)
     framework = _checked_model(model, "memory_report")
     plan, units, pieces = _units_of(model, framework, blocks)
     applied = plan.applied() if plan is not None else {}
+    # A unit whose own call is decorated (`recompute_grad` on its class's or its instance's `call`) recomputes
+    # under its decorator's policy where no plan names it (until 2026-11-29 the report counted it as plain).
+    decorated = {}
+    for unit in units if pieces is None else ():
+        found = decorated_policy(unit.call)
+        if found is not None:
+            decorated[_memory.unit_name(unit)] = found
     if execution is None and plan is not None:
         execution = plan.execution  # a plan's report is for the execution it was made for
     if offload is None:
-        offload = plan.offload if plan is not None else False
+        offload = plan.offload if plan is not None else any(moved for _, moved in decorated.values())
     _check_offload(model, framework, offload, "memory_report")
     with pieces.measuring() if pieces is not None else contextlib.nullcontext():
-        current = [applied.get(_memory.unit_name(u), _budget.NONE) for u in units]
+        current = [
+            applied.get(_memory.unit_name(u)) or decorated.get(_memory.unit_name(u), (_budget.NONE,))[0] for u in units
+        ]
         result = _memory.report(model, units, inputs, current, execution, offload)
         if _memory.states_compiled_peak(model, result.execution):
             result.plain_peak, result.floor = _compiled_bounds(model, units, inputs, result, offload)

@@ -13,6 +13,7 @@ import contextlib
 import functools
 import json
 import os
+import re
 import sys
 
 import keras
@@ -21,7 +22,7 @@ import pytest
 from keras import layers
 
 import _fresh
-from _keras3_twins import BACKEND, FAST_MODE, MODES, compare_on_and_off, loss_and_gradients, step_program
+from _keras3_twins import BACKEND, FAST_MODE, MODES, compare_on_and_off, loss_and_gradients, recomputed_class, step_program
 from keras_recompute import _budget, _memory, _model, memory_report, recompute_model, recompute_scope
 
 # A batch whose activations outweigh the optimizer's update (on PyTorch three times the weights, at the end).
@@ -44,12 +45,12 @@ class AttentionBlock(layers.Layer):
         return hidden + self.down(self.dropout(self.up(hidden), training=training))
 
 
-def blocks_model(count=4, seq=8, width=16, batch_size=None):
+def blocks_model(count=4, seq=8, width=16, batch_size=None, block=AttentionBlock):
     keras.utils.set_random_seed(0)
     inputs = keras.Input((seq, width), batch_size=batch_size)
     hidden = layers.Dense(width, name="stem")(inputs)
     for i in range(count):
-        hidden = AttentionBlock(width, name=f"block_{i}")(hidden)
+        hidden = block(width, name=f"block_{i}")(hidden)
     model = keras.Model(inputs, layers.Dense(3, name="head")(layers.GlobalAveragePooling1D()(hidden)))
     model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return model
@@ -502,6 +503,24 @@ def test_the_report():
     assert report.resident > 0 and report.predicted_peak > report.resident
     text = str(report)
     assert "block_3" in text and "predicted peak" in text and "attention_core" in text
+    # Where the peak is: a unit's point here, where the activations outweigh the update (JAX: its compiler states
+    # the peak, no point). The update's point: tests/test_budget_solver.py, tests/test_offload.py.
+    if BACKEND != "jax":
+        assert re.fullmatch(r"in block_\d's (forward|backward)", report.peak_at) and f", {report.peak_at} (" in text
+
+
+def test_a_unit_whose_call_is_decorated_is_reported_under_its_policy():
+    """`@recompute_grad(policy=...)` on a block class: the report counts that policy where the switch is on (it
+    counted the blocks as plain until 2026-11-29), and plain where it is off, as a plan made by `recompute_model`."""
+    decorated = blocks_model(block=recomputed_class(AttentionBlock, policy="save_dots"))
+    planned = blocks_model()
+    recompute_model(planned, policy="save_dots", enabled=True)
+    with recompute_scope(True):
+        on = memory_report(decorated, X)
+    assert [row["policy"] for row in on.rows] == ["save_dots"] * 4
+    assert on.predicted_peak == memory_report(planned, X).predicted_peak < on.plain_peak
+    off = memory_report(decorated, X)  # RECOMPUTE unset: the decorated calls run plain
+    assert [row["policy"] for row in off.rows] == ["none"] * 4 and off.predicted_peak == off.plain_peak
 
 
 def test_the_report_of_a_plan_the_switch_keeps_off_says_so():

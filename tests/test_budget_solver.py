@@ -212,3 +212,33 @@ def test_applied_as_made_counts_a_units_gradients_and_the_next():
     assert made.peak(choice) == 1000 + 30 + 5 + 200
     assert made.like(units).applied_as_made and _budget.offloaded(made, ()).applied_as_made
     assert solve(made, 1000 + 235) == choice and solve(after, 1000 + 235) is None
+
+
+def test_the_peak_names_its_point_of_the_step():
+    """`Model.peak_point`: the peak's point, the one the peak is computed at (a unit's forward or backward, the loss's
+    backward, after the backward), said in words by `point_text`; the memory report prints it."""
+    def units(forward=0):
+        options = {"none": Option("none", 100, 10, 0, forward=forward), "full": Option("full", 20, 110, 1, forward=forward)}
+        return [UnitCosts(name, options, 5, input_bytes=20) for name in "ab"]
+
+    def model(update=0, loss=0, forward=0):
+        return Model(units(forward), resident=1000, outside=50, outside_gradient_bytes=7, update=update, loss=loss)
+
+    cases = [
+        (model(), ["none", "none"], (1, "backward"), "in b's backward"),
+        (model(forward=500), ["none", "none"], (1, "forward"), "in b's forward"),
+        (model(loss=400), ["none", "none"], "loss", "in the loss's backward"),
+        # The optimizer's update after the backward (Keras's PyTorch Adam: three times the weights, all at once),
+        # above every unit's point: what recompute and offload cannot lower.
+        (model(update=600), ["full", "full"], None, "after the backward, at the optimizer's update"),
+    ]
+    for made, choice, point, text in cases:
+        peak, found = made.peak_point(choice)
+        assert (found, made.point_text(found)) == (point, text)
+        assert peak == made.peak(choice)
+    # The update's point holds for every plan: the least peak is there.
+    assert model(update=600).floor() == model(update=600).peak(["none", "none"]) == 1000 + 50 + 7 + 10 + 600
+    applied = Model(units(), resident=1000, outside=50, outside_gradient_bytes=700, applied_as_made=True)
+    assert applied.point_text(applied.peak_point(["full", "full"])[1]) == (
+        "at the end of the backward, at the last gradients' update"
+    )

@@ -198,6 +198,28 @@ def test_the_planner_counts_offload_off_the_device_only_where_the_device_is_not_
     assert recomputed and _offloads_in_a_step(model, monkeypatch) >= recomputed  # JAX: one placement a residual
 
 
+@pytest.mark.skipif(BACKEND != "torch", reason="the units' sums (a compiler states JAX's peak); TensorFlow has no offload")
+def test_offload_does_not_lower_a_peak_after_the_backward_and_the_report_says_so(monkeypatch):
+    """Wide blocks at a small batch: the optimizer's update holds the step's peak, after the backward, when no
+    offloaded input is on the device. Measured so on an H200 (docs/gpu.md, 2026-11-29: 96 blocks x 256 at batch 64,
+    full and offload 2307 MiB to the byte). The report puts its peak there with offload or not, and says so."""
+    from keras_recompute import _memory
+
+    model = blocks_model(seq=4, width=128)
+    batch = np.random.RandomState(2).standard_normal((2, 4, 128)).astype("float32")
+    monkeypatch.setattr(_memory._measuring_backend(model), "offload_frees_device_memory", lambda: True)  # as a GPU
+    recompute_model(model, policy="full", enabled=True)
+    kept, moved = memory_report(model, batch), memory_report(model, batch, offload=True)
+    assert kept.peak_at == moved.peak_at == "after the backward, at the optimizer's update"
+    assert moved.predicted_peak == kept.predicted_peak
+    assert "in host memory" in moved.offload and "offload does not lower it" in moved.offload
+    deep = blocks_model(seq=64)  # activations outweigh the update: the peak is in a unit, where offload lowers it
+    recompute_model(deep, policy="full", enabled=True)
+    lowered = memory_report(deep, BATCH, offload=True)
+    assert lowered.peak_at.startswith("in block_") and "does not lower" not in lowered.offload
+    assert lowered.predicted_peak < memory_report(deep, BATCH).predicted_peak
+
+
 def _offloads_in_a_step(model, monkeypatch):
     """How many recomputed calls of a training step of `model` offloaded what they keep."""
     x = BATCH[:2]
