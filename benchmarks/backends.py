@@ -217,14 +217,12 @@ def _torch_activations_peak(model, ids, labels):
     variables = model.trainable_variables
     for variable in variables:
         variable.value.grad = None
-    torch.cuda.synchronize()
+    _measure.reset_peak("torch")
     before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
     loss = loss_fn(keras.ops.convert_to_tensor(labels), model(ids, training=True))
     loss.backward()
     del loss
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - before
+    peak = _measure.peak("torch") - before
     for variable in variables:
         variable.value.grad = None
     return peak

@@ -141,16 +141,6 @@ def normwise(actual, expected):
     return max(float(np.max(np.abs(a - e))) for a, e in zip(actual, expected) if e.size) / scale
 
 
-def worst(actual, expected, names):
-    """The weight whose update differs most from `expected`'s, or None (none differs, or no names)."""
-    import numpy as np
-
-    differences = [float(np.max(np.abs(a - e))) if e.size else 0.0 for a, e in zip(actual, expected)]
-    if not differences or max(differences) == 0 or len(names) != len(differences):
-        return None
-    return names[int(np.argmax(differences))]
-
-
 def differing(actual, expected, names):
     """Each weight whose update differs from `expected`'s at all, with its largest difference: where the
     backward, last block first, first departs from plain's tells which op departs."""
@@ -204,9 +194,10 @@ def main(argv=None):
         row = {"method": method, "loss": losses[method]}
         if method in gradients and reference is not None and method != "none":
             row["difference"] = normwise(gradients[method], reference)
-            row["worst"] = worst(gradients[method], reference, names)
+            found = differing(gradients[method], reference, names) if len(names) == len(reference) else {}
+            row["worst"] = max(found, key=found.get) if found else None  # the weight that differs most
             if len(names) == len(reference):
-                row["differing"] = differing(gradients[method], reference, names)
+                row["differing"] = found
             if spread:
                 row["times_spread"] = row["difference"] / spread
         rows.append(row)

@@ -156,8 +156,7 @@ def report(model, units, inputs, current, execution=None, offload=False):
     if predicted is None:
         predicted, point = measured.peak_point(current)
         where = measured.point_text(point)
-        frees = offload and getattr(_measuring_backend(model), "offload_frees_device_memory", lambda: False)()
-        if frees and point is None and any(policy != _budget.NONE for policy in current):
+        if offload and point is None and offload_frees(model) and any(policy != _budget.NONE for policy in current):
             # Measured on an H200 (docs/gpu.md, 2026-11-29): Adam's update held the step's peak, the same to the
             # byte with offload.
             offload_line += "; the predicted peak is after the backward, where nothing offloaded is on the device: " \
@@ -182,8 +181,7 @@ def with_offload(model, measured, offload):
     """
     if not offload:
         return measured, ""
-    frees = getattr(_measuring_backend(model), "offload_frees_device_memory", lambda: False)()
-    if not frees:
+    if not offload_frees(model):
         return measured, (
             "offload: on, but this device's host memory is its own memory (a CPU): the inputs stay counted"
         )
@@ -192,6 +190,11 @@ def with_offload(model, measured, offload):
         f"offload: on; the inputs of units under 'full' are in host memory (up to {_budget.format_bytes(moved)}), "
         "back on the device for their backward"
     )
+
+
+def offload_frees(model):
+    """Whether offloaded bytes leave the device's memory where `model` runs (not on a CPU: NOTE [ offload ])."""
+    return getattr(_measuring_backend(model), "offload_frees_device_memory", lambda: False)()
 
 
 def execution_of(model, execution, where):
