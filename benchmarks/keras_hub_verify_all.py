@@ -112,6 +112,7 @@ def _verify_one(keras, verify, path, name, args):
         "model": name,
         "backbone": cls.__name__,
         "units": len(report.units),
+        "unit_names": report.units[:3] + (["..."] if len(report.units) > 3 else []),  # what blocks="auto" chose
         "ok": bool(report.ok),
         "compilers_rounding": any(row["rounding"] for row in report.rows),  # NOTE [ what compiling moves ]
         "cannot_tell": bool(report.cannot_tell),

@@ -132,9 +132,12 @@ def recompute_grad(fn=None, *, enabled=None, check=True, policy="full", offload=
         if policy == _policy.ATTENTION_CORE:
             return _with_cores_recomputed(fn, args, kwargs, context, check, offload)
         call = _dispatch(context, args, kwargs)
+        # Inside an attention_core unit, a recomputed call runs outside its cores' patches (NOTE [ a recomputed
+        # call inside an attention_core unit ] in `_policy`).
+        run = _policy.outside_cores(fn, context.owner) if _policy.cores_patched() else fn
         if offload:  # passed only when asked: a backend without an offload path refuses it
-            return call(fn, args, kwargs, context, check=check, policy=policy, offload=True)
-        return call(fn, args, kwargs, context, check=check, policy=policy)
+            return call(run, args, kwargs, context, check=check, policy=policy, offload=True)
+        return call(run, args, kwargs, context, check=check, policy=policy)
 
     if signature is not None:
         # tf_keras reads a call's arguments with getfullargspec, which ignores
@@ -165,6 +168,18 @@ def decorated_policy(call):
     enabled, policy, offload = options
     on = _config.is_enabled() if enabled is None else enabled
     return (policy, offload) if on else None
+
+
+def decorated_inside(layer):
+    """`[(class name, policy)]` of the layers inside `layer` whose own call is decorated and recomputes now."""
+    if not hasattr(layer, "_flatten_layers"):
+        return []
+    found = []
+    for inner in layer._flatten_layers(include_self=False, recursive=True):
+        options = decorated_policy(getattr(inner, "call", None))
+        if options is not None:
+            found.append((type(inner).__name__, options[0]))
+    return found
 
 
 def _undecorated(fn):

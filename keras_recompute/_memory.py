@@ -78,6 +78,9 @@ class MemoryReport:
             offload lowers it); `""` where a compiler states the peak (JAX).
         switch: a line when the model has a plan that the switch keeps off
             now (the rows and peak are then the plain model's), else `""`.
+        inner: a line naming the units that hold layers whose own call is
+            decorated and recomputes now (their "none" is the unit as it
+            stands, those layers recomputed), else `""`.
     """
 
     def __init__(self, title, rows, predicted_peak, resident, floor, plain_peak, measure_seconds, execution=COMPILED,
@@ -94,6 +97,7 @@ class MemoryReport:
         self.peak_at = ""  # where in the step the predicted peak is, in words ("" where a compiler states it)
         self.offload = ""  # a line on offload (NOTE [ offload ] in `_policy`) when it was asked for
         self.switch = ""  # a line when the model has a plan that the switch keeps off now
+        self.inner = ""  # a line when units hold decorated layers that recompute now
 
     def __str__(self):
         options = []
@@ -120,6 +124,8 @@ class MemoryReport:
             + f" (weights, optimizer and batch {_budget.format_bytes(self.resident)}; with no recompute "
             f"{_budget.format_bytes(self.plain_peak)}; the least any plan reaches {_budget.format_bytes(self.floor)})"
         )
+        if self.inner:
+            text.append(self.inner)
         if self.offload:
             text.append(self.offload)
         if self.switch:
@@ -382,8 +388,13 @@ def _in_proportion(fitted, half, scale):
 
 
 def cache_key(units, inputs, execution):
-    """What the costs of `units` depend on besides the model: the units, the inputs' shapes, the execution."""
-    return (tuple(id(unit) for unit in units), _signature(inputs), execution)
+    """What the costs of `units` depend on besides the model: the units, the inputs' shapes, the execution, and
+    which layers inside the units recompute now by their own decorators (a unit's "none" is measured with them,
+    NOTE [ units that hold decorated layers ] in `_model`)."""
+    from keras_recompute._decorator import decorated_inside
+
+    inside = tuple(tuple(decorated_inside(unit)) for unit in units)
+    return (tuple(id(unit) for unit in units), _signature(inputs), execution, inside)
 
 
 def remembered(model, key):

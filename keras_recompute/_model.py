@@ -31,7 +31,7 @@ import sys
 import warnings
 
 from keras_recompute import _budget, _config, _context, _fit, _memory, _policy
-from keras_recompute._decorator import _undecorated, decorated_policy, recompute_grad
+from keras_recompute._decorator import _undecorated, decorated_inside, decorated_policy, recompute_grad
 from keras_recompute._errors import RecomputeError
 
 # Attributes of keras-hub backbones that list their repeated blocks.
@@ -144,6 +144,7 @@ def recompute_model(
         count = _segment_count(model, framework, segments) if segments is not None else None
         pieces = _Pieces.of(model, framework, count)
         units = pieces.units
+    chosen = tuple(units)  # the units a report of this plan is over (NOTE [ the units of a planned model ])
     if budget is None:
         units = units[:limit]
         if policy == _policy.ATTENTION_CORE:
@@ -163,6 +164,7 @@ def recompute_model(
             object.__setattr__(model, _PLAN, earlier)
         raise
     plan = _Plan(enabled, pieces, execution if budget is not None else None, offload)
+    plan.units = chosen
     on = lambda: _config.is_enabled() if enabled is None else enabled  # noqa: E731
     if pieces is not None:
         plan.add(functools.partial(pieces.install, on))
@@ -219,11 +221,15 @@ def memory_report(model, inputs, *, blocks="auto", execution=None, offload=None)
     applied = plan.applied() if plan is not None else {}
     # A unit whose own call is decorated (`recompute_grad` on its class's or its instance's `call`) recomputes
     # under its decorator's policy where no plan names it (until 2026-11-29 the report counted it as plain).
-    decorated = {}
+    decorated, inner = {}, {}
     for unit in units if pieces is None else ():
         found = decorated_policy(unit.call)
         if found is not None:
             decorated[_memory.unit_name(unit)] = found
+        else:
+            inside = decorated_inside(unit)
+            if inside:
+                inner[_memory.unit_name(unit)] = inside
     if execution is None and plan is not None:
         execution = plan.execution  # a plan's report is for the execution it was made for
     if offload is None:
@@ -236,6 +242,7 @@ def memory_report(model, inputs, *, blocks="auto", execution=None, offload=None)
         result = _memory.report(model, units, inputs, current, execution, offload)
         if _memory.states_compiled_peak(model, result.execution):
             result.plain_peak, result.floor = _compiled_bounds(model, units, inputs, result, offload)
+    result.inner = _inner_line(inner)
     if plan is not None and plan.names and not applied:
         result.switch = (
             f"recompute is off now ({'enabled=False' if plan.enabled is False else 'RECOMPUTE is not on, no recompute_scope(True)'}): "
@@ -244,6 +251,39 @@ def memory_report(model, inputs, *, blocks="auto", execution=None, offload=None)
             f"{'with enabled=True' if plan.enabled is False else 'with RECOMPUTE=1 or inside recompute_scope(True)'}"
         )
     return result
+
+
+def _inner_line(inner):
+    """The report's line on units that hold decorated layers (NOTE [ units that hold decorated layers ])."""
+    if not inner:
+        return ""
+    names = list(inner)
+    layers = []
+    for found in inner.values():
+        layers += [f"{name}: {policy}" for name, policy in found if f"{name}: {policy}" not in layers]
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return (
+        f"{shown} hold layers whose own call is decorated and recomputes now ({', '.join(layers)})"
+        + ": 'none' above is such a unit as it stands, those layers recomputed, and so is 'with no recompute'"
+    )
+
+
+# NOTE [ units that hold decorated layers ]
+# A unit (a block the report or a plan works with) may hold layers whose own
+# call is decorated: `TransformerBlock`s built of this library's ready
+# `MultiHeadAttention`, or a user's FFN class with `@recompute_grad`. With the
+# switch on, those layers recompute whatever the unit's policy; a unit's
+# "none" is measured running its call as it stands, so it includes them: a
+# block whose FFN is decorated (`full`) kept 2.1 MB under "none" on PyTorch
+# where the same block undecorated kept 10.5 (4 blocks of 128, 2026-11-29). The
+# prediction is right for the model as it runs (the report's peak 27.6 MB
+# against 51.7 with the switch off), and a plan may leave such a unit as it
+# stands; only the names "none" and "with no recompute" would mislead, so the
+# report says which units hold decorated layers, and which those are. Which
+# of them recompute now is part of what the measurement is cached under
+# (`_memory.cache_key`): a report made with the switch on and then one made
+# with it off took the first's measurement for both (the blocks above "kept"
+# 2.1 MB each with the switch off too) until 2026-11-29.
 
 
 def _compiled_bounds(model, units, inputs, report, offload):
@@ -294,14 +334,30 @@ def _checked_model(model, where):
 def _units_of(model, framework, blocks):
     """`(plan, units, pieces)`: the model's plan (or None), the units a report or fit is over, their graph pieces (or None)."""
     plan = model.__dict__.get(_PLAN)
-    pieces = None
-    if plan is not None and plan.pieces is not None and isinstance(blocks, str) and blocks == "auto":
-        pieces = plan.pieces  # the pieces the model runs as
-    units = None if pieces is not None else _choose_blocks(model, framework, blocks)
+    pieces = units = None
+    if plan is not None and isinstance(blocks, str) and blocks == "auto":
+        if plan.pieces is not None:
+            pieces = plan.pieces  # the pieces the model runs as
+        elif plan.units:
+            units = list(plan.units)  # the units the plan chose (NOTE [ the units of a planned model ])
+    if units is None and pieces is None:
+        units = _choose_blocks(model, framework, blocks)
     if units is None:
         pieces = pieces or _Pieces.of(model, framework, None)
         units = pieces.units
     return plan, units, pieces
+
+
+# NOTE [ the units of a planned model ]
+# A report, a fit or verify's prediction of a model that `recompute_model`
+# planned is over the units the plan was made over, unless `blocks=` names
+# others: the plan's own `blocks=` choice (or its budget's units), not what
+# `blocks="auto"` would find. Until 2026-11-29 it chose again with "auto": a
+# keras-hub ViT with a head, planned with `blocks=ViTEncoderBlock` (its blocks
+# sit in a layer's list, where "auto" finds no run), was reported as two graph
+# pieces, the whole backbone one of them, the planned blocks inside it
+# measured as a part of it; the report's rows then named no planned unit, and
+# `verify` said "nothing saved". Graph pieces were already taken from the plan.
 
 
 def measured_costs(model, inputs, *, blocks="auto", execution=None, offload=False, where="largest_fit"):
@@ -530,6 +586,7 @@ class _Plan:
         self.names = ()
         self.policies = ()
         self.layers = ()
+        self.units = ()  # every unit the plan was made over, recomputed or not
         self.enabled = enabled
         self.pieces = pieces
         self.execution = execution  # what a budget's plan was made for (None: no budget, or inferred)
@@ -896,7 +953,7 @@ def _auto_blocks(model, framework):
             listed = getattr(layer, attribute, None)
             if isinstance(listed, (list, tuple)) and listed and all(_context.is_layer(x) for x in listed):
                 return [x for name in _BLOCK_LISTS for x in (getattr(layer, name, None) or ())]
-    run = _longest_run(model, framework)
+    run = _longest_run(model, framework) or _longest_run_in_layers(model)
     if run:
         return run
     if framework.functional_of(model) is not None:
@@ -928,6 +985,41 @@ def _longest_run(model, framework):
             if len(run) > len(best) and len(run) >= 2 and all(x.weights for x in run):
                 best = list(run)
     return best
+
+
+def _longest_run_in_layers(model):
+    """The longest run of consecutive blocks of one class held by a layer that is not a model (NOTE [ blocks held
+    by a layer ]): each with sub-layers with weights, none an attention layer itself."""
+    best = []
+    for parent in _context.sublayers(model):
+        if _is_model(parent):
+            continue
+        run = []
+        for layer in _context.children(parent):
+            chained = run and type(layer) is type(run[-1])
+            run = run + [layer] if chained else [layer]
+            if len(run) > len(best) and len(run) >= 2 and all(_is_block(x) for x in run):
+                best = list(run)
+    return best
+
+
+def _is_block(layer):
+    """Whether `layer` may be a block: it holds layers with weights, and is not an attention layer."""
+    return _policy.core_method(layer) is None and any(child.weights for child in _context.children(layer))
+
+
+# NOTE [ blocks held by a layer ]
+# keras-hub's ViT keeps its blocks in a list of its `ViTEncoder` layer
+# (`encoder_layers`), DINOv2 and DINOv3 in their encoders' `layers`: blocks of
+# a layer, not of a model, so "auto" found no run and cut the graph instead. A
+# ViT with a head then had two pieces, the whole backbone one of them, and its
+# recompute saved nothing: "with no recompute" 136.6 MB, the plan 136.2 (6
+# blocks of 128, 64 x 64 images, batch 32, PyTorch, 2026-11-29). Runs among
+# models' children come first (they are chains in a graph); where there is
+# none, runs among a layer's children count when each layer in them holds
+# layers with weights and is not an attention layer: the query, key and value
+# projections in an attention layer are not blocks, nor are a decoder block's
+# self- and cross-attention layers.
 
 
 def _is_model(layer):

@@ -138,15 +138,85 @@ def cores_recomputed(layers, recompute, check, offload=False):
         offload: the `offload` option of the unit: each core's inputs go to host memory.
     """
     with contextlib.ExitStack() as stack:
+        patched = []
         for layer in layers:
             name = core_method(layer)
+            before = layer.__dict__.get(name, _ABSENT)  # the instance's own method, if it had one
             core = _recomputed_core(layer, name, recompute, check, offload)
             stack.enter_context(_context.instance_attribute(layer, name, core))
+            patched.append((layer, name, before, core))
+        active = _active_cores()
         _STATE.cores = getattr(_STATE, "cores", 0) + 1
+        active += patched
         try:
             yield
         finally:
+            del active[len(active) - len(patched):]
             _STATE.cores -= 1
+
+
+_ABSENT = object()
+
+
+def _active_cores():
+    """`[(layer, name, before, core)]`: the cores `cores_recomputed` patched in this thread, now."""
+    if not hasattr(_STATE, "active"):
+        _STATE.active = []
+    return _STATE.active
+
+
+# NOTE [ a recomputed call inside an attention_core unit ]
+# `cores_recomputed` patches the attention layers' cores for the length of a
+# unit's forward. A layer inside the unit whose own call recomputes (a
+# decorated TransformerBlock in a graph piece that `recompute_model(segments=
+# 2, policy="attention_core")` chose, or a block `recompute_model` planned
+# `full` measured under `attention_core` by `memory_report`) ran its forward
+# with the cores patched, and its recompute, in the backward, after the unit's
+# forward, with them as they are: PyTorch's checkpoint saw its recompute save
+# more tensors than its forward ("trying to save more tensors during
+# recomputation than during the original forward pass") and the step raised
+# (4 such blocks, 2 pieces; 2026-11-29; TensorFlow and JAX gave the plain
+# model's update, a recompute there need not save what its forward did). So a
+# recomputed call runs outside the cores' patches (`outside_cores`): inside
+# it, the cores it holds are as they were before the unit patched them, in its
+# forward as in its recompute, and calls nested in it see no unit's cores
+# patched. Its policy recomputes what it holds anyway: `full` all of it, and
+# `save_dots` keeps no batched matmul of a core. (A call decides whether it
+# keeps its dropout masks, `keeps_dropout_masks`, when it is entered, before
+# this takes effect: a `full` block inside the unit keeps them, as before.)
+# The cores' own recomputed calls go through it too, harmlessly: such a call
+# runs the core's original method, bound, which reads no patch.
+
+
+def cores_patched():
+    """Whether a unit's forward under `"attention_core"` is running in this thread (its cores patched)."""
+    return getattr(_STATE, "cores", 0) > 0
+
+
+def outside_cores(fn, owner):
+    """`fn`, run outside the cores' patches that are active inside `owner` when it runs (NOTE [ a recomputed call
+    inside an attention_core unit ])."""
+
+    def run(*args, **kwargs):
+        if not getattr(_STATE, "cores", 0):
+            return fn(*args, **kwargs)
+        inside = {id(layer) for layer in [owner] + _context.sublayers(owner)} if _context.is_layer(owner) else set()
+        mine = [p for p in _active_cores() if id(p[0]) in inside and p[0].__dict__.get(p[1]) is p[3]]
+        saved_cores, saved_active = _STATE.cores, _STATE.active
+        _STATE.cores, _STATE.active = 0, []
+        for layer, name, before, _ in mine:
+            if before is _ABSENT:
+                del layer.__dict__[name]
+            else:
+                object.__setattr__(layer, name, before)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            for layer, name, _, core in mine:
+                object.__setattr__(layer, name, core)
+            _STATE.cores, _STATE.active = saved_cores, saved_active
+
+    return run
 
 
 def _recomputed_core(layer, name, recompute, check, offload=False):

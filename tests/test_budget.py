@@ -23,7 +23,7 @@ from keras import layers
 
 import _fresh
 from _keras3_twins import BACKEND, FAST_MODE, MODES, compare_on_and_off, loss_and_gradients, recomputed_class, step_program
-from keras_recompute import _budget, _memory, _model, memory_report, recompute_model, recompute_scope
+from keras_recompute import _budget, _memory, _model, memory_report, recompute_grad, recompute_model, recompute_scope
 
 # A batch whose activations outweigh the optimizer's update (on PyTorch three times the weights, at the end).
 X = np.random.RandomState(0).standard_normal((64, 8, 16)).astype("float32")
@@ -521,6 +521,55 @@ def test_a_unit_whose_call_is_decorated_is_reported_under_its_policy():
     assert on.predicted_peak == memory_report(planned, X).predicted_peak < on.plain_peak
     off = memory_report(decorated, X)  # RECOMPUTE unset: the decorated calls run plain
     assert [row["policy"] for row in off.rows] == ["none"] * 4 and off.predicted_peak == off.plain_peak
+
+
+def test_the_report_of_a_plan_is_over_the_plans_units():
+    """NOTE [ the units of a planned model ]: `blocks="auto"` in the report takes the plan's units, not its own."""
+    model = blocks_model()
+    recompute_model(model, blocks=["block_1", "block_3"], enabled=True)
+    report = memory_report(model, X)
+    assert [(row["name"], row["policy"]) for row in report.rows] == [("block_1", "full"), ("block_3", "full")]
+    recompute_model(model, limit=1, policy="save_dots", enabled=True)  # every block a unit, the first recomputed
+    report = memory_report(model, X)
+    assert [row["policy"] for row in report.rows] == ["save_dots", "none", "none", "none"]
+
+
+class FeedForward(layers.Layer):
+    def __init__(self, hidden=16, **kwargs):
+        super().__init__(**kwargs)
+        self.up = layers.Dense(4 * hidden, activation="gelu")
+        self.down = layers.Dense(hidden)
+
+    @recompute_grad
+    def call(self, inputs):
+        return self.down(self.up(inputs))
+
+
+class HoldsDecorated(layers.Layer):
+    """A block that is not decorated but holds a layer that is (a block built of ready layers)."""
+
+    def __init__(self, hidden=16, **kwargs):
+        super().__init__(**kwargs)
+        self.feed_forward = FeedForward(hidden)
+        self.norm = layers.LayerNormalization()
+
+    def call(self, inputs):
+        return self.norm(inputs + self.feed_forward(inputs))
+
+
+def test_the_report_names_units_that_hold_decorated_layers():
+    """A unit's 'none' is measured as it stands, its decorated layers recomputing where the switch is on: the
+    report's peak is the model's as it runs, and a line says which units hold which decorated layers (NOTE [ units
+    that hold decorated layers ])."""
+    model = blocks_model(block=HoldsDecorated)
+    with recompute_scope(True):
+        on = memory_report(model, X)
+    off = memory_report(model, X)  # RECOMPUTE unset: the FFNs run plain
+    assert [row["policy"] for row in on.rows] == ["none"] * 4 == [row["policy"] for row in off.rows]
+    assert on.rows[0]["kept_bytes"]["none"] < off.rows[0]["kept_bytes"]["none"]
+    assert on.predicted_peak < off.predicted_peak
+    assert "block_0, block_1, block_2 and 1 more hold layers" in on.inner and "FeedForward: full" in on.inner
+    assert on.inner in str(on) and off.inner == ""
 
 
 def test_the_report_of_a_plan_the_switch_keeps_off_says_so():

@@ -20,7 +20,7 @@ import pytest
 from keras import layers
 
 from _keras3_twins import BACKEND, FAST_MODE, MODES, assert_trained_alike, compare_on_and_off, step_program
-from keras_recompute import _model, recompute_model, recompute_scope
+from keras_recompute import _model, recompute_grad, recompute_model, recompute_scope
 
 X = np.random.RandomState(0).standard_normal((8, 16)).astype("float32")
 
@@ -413,6 +413,92 @@ def test_a_bad_choice_leaves_the_earlier_plan():
 def test_segments_of_a_subclassed_model_suggest_blocks():
     with pytest.raises(ValueError, match="segments=.*no graph to cut.*blocks="):
         recompute_model(subclassed_stack(), segments=2)
+
+
+class Encoder(layers.Layer):
+    """Blocks in a list of a layer that is not a model, as keras-hub's `ViTEncoder` holds its `encoder_layers`."""
+
+    def __init__(self, count=3, **kwargs):
+        super().__init__(**kwargs)
+        self.blocks = [Block(name=f"block_{i}") for i in range(count)]
+        self.norm = layers.LayerNormalization()
+
+    def call(self, inputs, training=None):
+        for block in self.blocks:
+            inputs = block(inputs, training=training)
+        return self.norm(inputs)
+
+
+def encoder_model():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16,))
+    return keras.Model(inputs, layers.Dense(3, name="head")(Encoder(name="encoder")(layers.Dense(16)(inputs))))
+
+
+def test_auto_finds_blocks_held_by_a_layer():
+    """NOTE [ blocks held by a layer ]: "auto" cut the graph around the whole encoder, which saved nothing."""
+    model = encoder_model()
+    recompute_model(model)
+    assert _model.recomputed_units(model) == ["block_0", "block_1", "block_2"]
+    compare_on_and_off(model, [X], FAST_MODE, train_call, steps=2)
+    assert_recomputes(encoder_model, recompute_model, ["block_0", "block_1", "block_2"], [])
+
+
+class CrossAttending(layers.Layer):
+    """A decoder block's two attention layers side by side: not a run of blocks."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.self_attention = layers.MultiHeadAttention(2, 8)
+        self.cross_attention = layers.MultiHeadAttention(2, 8)
+
+    def call(self, inputs):
+        hidden = inputs + self.self_attention(inputs, inputs)
+        return hidden + self.cross_attention(hidden, inputs)
+
+
+def test_attention_layers_side_by_side_are_not_blocks():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4, 16))
+    model = keras.Model(inputs, layers.Dense(3, name="head")(CrossAttending(name="decoder")(inputs)))
+    recompute_model(model)
+    assert not any("attention" in name for name in _model.recomputed_units(model))
+
+
+class RecomputedAttending(layers.Layer):
+    """Attention with dropout and a gelu FFN, its own call recomputed (`full`, following the switch)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.attention = layers.MultiHeadAttention(2, 8, dropout=0.2, seed=1)
+        self.norm = layers.LayerNormalization()
+        self.up = layers.Dense(32, activation="gelu")
+        self.dropout = layers.Dropout(0.3, seed=2)
+        self.down = layers.Dense(16)
+
+    @recompute_grad
+    def call(self, inputs, training=None):
+        hidden = self.norm(inputs + self.attention(inputs, inputs, training=training))
+        return hidden + self.down(self.dropout(self.up(hidden), training=training))
+
+
+SEQUENCES = np.random.RandomState(1).standard_normal((8, 4, 16)).astype("float32")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_attention_core_pieces_that_hold_recomputed_blocks(mode):
+    """NOTE [ a recomputed call inside an attention_core unit ]: graph pieces under `attention_core` hold blocks
+    whose own call recomputes; the blocks ran their forward with the cores patched and their recompute without, and
+    PyTorch's step raised ("trying to save more tensors during recomputation than during the original forward")."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4, 16))
+    hidden = inputs
+    for i in range(4):
+        hidden = RecomputedAttending(name=f"block_{i}")(hidden)
+    model = keras.Model(inputs, layers.Dense(3, name="head")(hidden))
+    recompute_model(model, segments=2, policy="attention_core")
+    assert len(_model.recomputed_units(model)) == 2
+    compare_on_and_off(model, [SEQUENCES], mode, train_call, steps=2)
 
 
 def test_auto_without_blocks_says_what_it_looked_for():
