@@ -65,7 +65,8 @@ def recompute_model(
         model: a Keras 3 or tf_keras model (or layer).
         blocks: which units recompute. `"auto"`: the model's repeated blocks
             (a keras-hub backbone's `transformer_layers`; else the longest run
-            of consecutive layers of one class; else, in a functional model,
+            of consecutive layers of one class in a model, else in a layer's
+            list of blocks (keras-hub's ViT); else, in a functional model,
             the pieces between tensors that separate its graph). Or a layer
             class or tuple of classes, a list of layer names, or a predicate
             `layer -> bool`; nested layers are found too, and a layer inside a
