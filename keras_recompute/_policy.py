@@ -202,7 +202,7 @@ def outside_cores(fn, owner):
             return fn(*args, **kwargs)
         inside = {id(layer) for layer in [owner] + _context.sublayers(owner)} if _context.is_layer(owner) else set()
         mine = [p for p in _active_cores() if id(p[0]) in inside and p[0].__dict__.get(p[1]) is p[3]]
-        saved_cores, saved_active = _STATE.cores, _STATE.active
+        saved_cores, saved_active = _STATE.cores, _active_cores()
         _STATE.cores, _STATE.active = 0, []
         for layer, name, before, _ in mine:
             if before is _ABSENT:
