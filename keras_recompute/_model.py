@@ -1015,7 +1015,9 @@ def _is_block(layer):
 # a layer, not of a model, so "auto" found no run and cut the graph instead. A
 # ViT with a head then had two pieces, the whole backbone one of them, and its
 # recompute saved nothing: "with no recompute" 136.6 MB, the plan 136.2 (6
-# blocks of 128, 64 x 64 images, batch 32, PyTorch, 2026-11-29). Runs among
+# blocks of 128, 64 x 64 images, batch 32, PyTorch, 2026-11-29); measured,
+# TensorFlow's compiled step peaked at 205.6 MiB against plain's 216.5, and at
+# 65.3 with the blocks as units (benchmarks/auto_blocks_vit.py). Runs among
 # models' children come first (they are chains in a graph); where there is
 # none, runs among a layer's children count when each layer in them holds
 # layers with weights and is not an attention layer: the query, key and value
