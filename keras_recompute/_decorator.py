@@ -172,10 +172,10 @@ def decorated_policy(call):
 
 def decorated_inside(layer):
     """`[(class name, policy)]` of the layers inside `layer` whose own call is decorated and recomputes now."""
-    if not hasattr(layer, "_flatten_layers"):
+    if not _context.is_layer(layer):  # a graph piece's stand-in, or not a layer
         return []
     found = []
-    for inner in layer._flatten_layers(include_self=False, recursive=True):
+    for inner in _context.sublayers(layer):
         options = decorated_policy(getattr(inner, "call", None))
         if options is not None:
             found.append((type(inner).__name__, options[0]))

@@ -972,34 +972,32 @@ def _longest_run(model, framework):
 
     Blocks are children of a model (a keras-hub task's backbone is a model in
     a model), not of a layer: the query, key and value projections inside an
-    attention layer are not blocks. In a functional graph the run must also
+    attention layer are not blocks (a layer's blocks, where no model holds a
+    run, are `_longest_run_in_layers`'). In a functional graph the run must also
     be a chain (each layer's output the next one's input), so that two
     embeddings side by side are not blocks either.
     """
-    best = []
-    for parent in [model] + [layer for layer in _context.sublayers(model) if _is_model(layer)]:
-        feeds = _feeds(parent, framework)
-        run = []
-        for layer in framework.children(parent):
-            chained = run and type(layer) is type(run[-1]) and (feeds is None or (id(run[-1]), id(layer)) in feeds)
-            run = run + [layer] if chained else [layer]
-            if len(run) > len(best) and len(run) >= 2 and all(x.weights for x in run):
-                best = list(run)
-    return best
+    parents = [model] + [layer for layer in _context.sublayers(model) if _is_model(layer)]
+    return _longest_of(((framework.children(p), _feeds(p, framework)) for p in parents), lambda layer: bool(layer.weights))
 
 
 def _longest_run_in_layers(model):
     """The longest run of consecutive blocks of one class held by a layer that is not a model (NOTE [ blocks held
     by a layer ]): each with sub-layers with weights, none an attention layer itself."""
+    parents = [layer for layer in _context.sublayers(model) if not _is_model(layer)]
+    return _longest_of(((_context.children(p), None) for p in parents), _is_block)
+
+
+def _longest_of(groups, qualifies):
+    """The longest run of two or more consecutive layers of one class, each `qualifies`, over `(children, feeds)`
+    groups (`feeds`: the `(id(a), id(b))` pairs of a graph, a run's layers then a chain in it; None: no graph)."""
     best = []
-    for parent in _context.sublayers(model):
-        if _is_model(parent):
-            continue
+    for children, feeds in groups:
         run = []
-        for layer in _context.children(parent):
-            chained = run and type(layer) is type(run[-1])
+        for layer in children:
+            chained = run and type(layer) is type(run[-1]) and (feeds is None or (id(run[-1]), id(layer)) in feeds)
             run = run + [layer] if chained else [layer]
-            if len(run) > len(best) and len(run) >= 2 and all(_is_block(x) for x in run):
+            if len(run) > len(best) and len(run) >= 2 and all(qualifies(x) for x in run):
                 best = list(run)
     return best
 
