@@ -959,10 +959,16 @@ def _auto_blocks(model, framework):
         return run
     if framework.functional_of(model) is not None:
         return None
+    unbuilt = (
+        f" {model.name!r} is not built yet, and its layers have no weights until it runs: call it on a batch "
+        "(model(batch)) or model.build(input_shape) first, then recompute_model; or"
+        if not model.weights
+        else ""
+    )
     raise ValueError(
         f"keras_recompute: recompute_model(blocks='auto') found no repeated blocks in {model.name!r} "
         f"({type(model).__name__}): no keras-hub `transformer_layers`, no run of two or more "
-        "consecutive layers of one class with weights, and no functional graph to cut. Pass blocks= "
+        f"consecutive layers of one class with weights, and no functional graph to cut.{unbuilt} Pass blocks= "
         "(a layer class, layer names or a predicate), or segments= for a functional model."
     )
 

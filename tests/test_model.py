@@ -510,6 +510,21 @@ def test_auto_without_blocks_says_what_it_looked_for():
         recompute_model(object())
 
 
+def test_auto_on_a_model_not_built_says_to_build_it():
+    """A subclassed model's layers have no weights until it runs, so "auto" finds no blocks: it says why."""
+    model = Stack()
+    with pytest.raises(ValueError, match=r"no repeated blocks.*is not built yet.*model\(batch\).*model\.build"):
+        recompute_model(model)
+    model(X)
+    recompute_model(model)
+    assert _model.recomputed_units(model) == ["block_0", "block_1", "block_2"]
+    built = NoBlocks()
+    built(X)
+    with pytest.raises(ValueError, match="no repeated blocks") as raised:
+        recompute_model(built)
+    assert "not built" not in str(raised.value)
+
+
 def _keras_hub_backbone(family, lora):
     keras_hub = pytest.importorskip("keras_hub")
     keras.utils.set_random_seed(0)
