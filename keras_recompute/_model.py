@@ -948,13 +948,19 @@ def _by_names(model, names):
 
 
 def _auto_blocks(model, framework):
-    """A keras-hub backbone's blocks; else the longest run of one class; else None (a graph's pieces)."""
+    """The repeated blocks of `model` (NOTE [ every run of blocks ]); else the longest run of one class of layers
+    with weights in a graph; else None (a graph's pieces)."""
+    listed = []
     for layer in [model] + _context.sublayers(model):
-        for attribute in _BLOCK_LISTS:
-            listed = getattr(layer, attribute, None)
-            if isinstance(listed, (list, tuple)) and listed and all(_context.is_layer(x) for x in listed):
-                return [x for name in _BLOCK_LISTS for x in (getattr(layer, name, None) or ())]
-    run = _longest_run(model, framework) or _longest_run_in_layers(model)
+        if any(_listed_blocks(layer, attribute) for attribute in _BLOCK_LISTS):
+            listed = [x for attribute in _BLOCK_LISTS for x in _listed_blocks(layer, attribute)]
+            break
+    graphs = [(framework.children(p), _feeds(p, framework)) for p in _models_in(model)]
+    lists = [(_context.children(p), None) for p in _context.sublayers(model) if not _is_model(p)]
+    runs = ([listed] if listed else []) + _runs(graphs, _is_block) + _runs(lists, _is_block)
+    if runs:
+        return _disjoint(runs, model)
+    run = max(_runs(graphs, lambda layer: bool(layer.weights)), key=len, default=None)
     if run:
         return run
     if framework.functional_of(model) is not None:
@@ -973,44 +979,95 @@ def _auto_blocks(model, framework):
     )
 
 
-def _longest_run(model, framework):
-    """The longest run of consecutive sub-layers of one class, with weights, in `model` or a model in it.
+def _listed_blocks(layer, attribute):
+    listed = getattr(layer, attribute, None)
+    if isinstance(listed, (list, tuple)) and listed and all(_context.is_layer(x) for x in listed):
+        return list(listed)
+    return []
 
-    Blocks are children of a model (a keras-hub task's backbone is a model in
-    a model), not of a layer: the query, key and value projections inside an
-    attention layer are not blocks (a layer's blocks, where no model holds a
-    run, are `_longest_run_in_layers`'). In a functional graph the run must also
-    be a chain (each layer's output the next one's input), so that two
-    embeddings side by side are not blocks either.
+
+def _models_in(model):
+    """`model` and the models in it: the parents whose children are chains of a graph."""
+    return [model] + [layer for layer in _context.sublayers(model) if _is_model(layer)]
+
+
+# NOTE [ every run of blocks ]
+# "auto" took the longest run of blocks and stopped there: an encoder-decoder
+# (keras-hub's EdRec, Moonshine, T5Gemma) recomputed its decoder's blocks and
+# not its encoder's, a two-tower model (CLIP, SigLIP, PaliGemma) one tower, a
+# model whose stages hold blocks of one class (MiT, SegFormer) its first
+# stage. It now takes every run of two or more blocks (layers that hold layers
+# with weights, not attention layers: `_is_block`) of one class: chains in a
+# model's graph (NOTE [ a chain of blocks ]), runs in a layer's list (NOTE
+# [ blocks held by a layer ]) and keras-hub's `transformer_layers` lists, the
+# outer runs first and, at one depth, the longest, each run kept unless one of
+# its layers is, holds or is held by a layer already kept (a stage and the
+# blocks in it are not both units: the stages are, as "auto" chose before;
+# Gemma 4's vision blocks and not the projections in them). Where no block repeats, the
+# longest run of leaf layers with weights in a graph (a Sequential's Dense
+# layers) is the units, as before.
+
+
+def _runs(groups, qualifies):
+    """Every run of two or more layers of one class, each `qualifies`, over `(children, feeds)` groups.
+
+    `feeds`: the `(id(a), id(b))` pairs of a graph (`_feeds`); a run is then a chain in it, whatever lies between
+    its layers in the children's order (a shared Dropout called between blocks: NOTE [ a chain of blocks ]).
+    None: no graph; a run is then consecutive children.
     """
-    parents = [model] + [layer for layer in _context.sublayers(model) if _is_model(layer)]
-    return _longest_of(((framework.children(p), _feeds(p, framework)) for p in parents), lambda layer: bool(layer.weights))
-
-
-def _longest_run_in_layers(model):
-    """The longest run of consecutive blocks of one class held by a layer that is not a model (NOTE [ blocks held
-    by a layer ]): each with sub-layers with weights, none an attention layer itself."""
-    parents = [layer for layer in _context.sublayers(model) if not _is_model(layer)]
-    return _longest_of(((_context.children(p), None) for p in parents), _is_block)
-
-
-def _longest_of(groups, qualifies):
-    """The longest run of two or more consecutive layers of one class, each `qualifies`, over `(children, feeds)`
-    groups (`feeds`: the `(id(a), id(b))` pairs of a graph, a run's layers then a chain in it; None: no graph)."""
-    best = []
+    found = []
     for children, feeds in groups:
-        run = []
+        runs, chains = {}, []
         for layer in children:
-            chained = run and type(layer) is type(run[-1]) and (feeds is None or (id(run[-1]), id(layer)) in feeds)
-            run = run + [layer] if chained else [layer]
-            if len(run) > len(best) and len(run) >= 2 and all(qualifies(x) for x in run):
-                best = list(run)
-    return best
+            key = type(layer) if feeds is not None else None
+            run = runs.get(key)
+            if run and type(layer) is type(run[-1]) and (feeds is None or (id(run[-1]), id(layer)) in feeds):
+                run.append(layer)
+            else:
+                runs[key] = [layer]
+                chains.append(runs[key])
+        for chain in chains:  # split where a layer does not qualify
+            part = []
+            for layer in chain + [None]:
+                if layer is not None and qualifies(layer):
+                    part.append(layer)
+                    continue
+                if len(part) >= 2:
+                    found.append(part)
+                part = []
+    return found
+
+
+def _disjoint(runs, model):
+    """The layers of `runs`, outer runs first and, at one depth, the longest: a run is dropped where a layer of it
+    is, holds or is held by a layer of a run taken. In the order the runs were found."""
+    depth = {id(model): 0}
+    for layer in [model] + _context.sublayers(model):  # parents first
+        for child in _context.children(layer):
+            depth.setdefault(id(child), depth.get(id(layer), 0) + 1)
+    taken, covered = [], set()
+    for index in sorted(range(len(runs)), key=lambda i: (depth.get(id(runs[i][0]), 0), -len(runs[i]))):
+        inside = {id(x) for layer in runs[index] for x in [layer] + _context.sublayers(layer)}
+        if inside & covered:
+            continue
+        taken.append(index)
+        covered |= inside
+    return [layer for index in sorted(taken) for layer in runs[index]]
 
 
 def _is_block(layer):
-    """Whether `layer` may be a block: it holds layers with weights, and is not an attention layer."""
-    return _policy.core_method(layer) is None and any(child.weights for child in _context.children(layer))
+    """Whether `layer` may be a block: it holds two or more layers with weights (a layer's own weights count as
+    one), and is not an attention layer. A wrapper of one projection (keras-hub Gemma 4's clippable Q, K and V)
+    is not a block: recomputing it alone would keep what plain keeps."""
+    if _policy.core_method(layer) is not None:
+        return False
+    children = _context.children(layer)
+    if not children:
+        return False
+    held = {id(w) for child in children for w in child.weights}
+    own = any(id(w) not in held for w in layer.weights)
+    leaves = [x for x in _context.sublayers(layer) if x.weights and not _context.children(x)]
+    return len(leaves) + own >= 2
 
 
 # NOTE [ blocks held by a layer ]
@@ -1022,11 +1079,10 @@ def _is_block(layer):
 # blocks of 128, 64 x 64 images, batch 32, PyTorch, 2026-11-29); measured,
 # TensorFlow's compiled step peaked at 205.6 MiB against plain's 216.5, and at
 # 65.3 with the blocks as units (benchmarks/auto_blocks_vit.py). Runs among
-# models' children come first (they are chains in a graph); where there is
-# none, runs among a layer's children count when each layer in them holds
-# layers with weights and is not an attention layer: the query, key and value
-# projections in an attention layer are not blocks, nor are a decoder block's
-# self- and cross-attention layers.
+# a layer's children count as runs among a model's (NOTE [ every run of
+# blocks ]) when each layer in them is a block (`_is_block`): the query, key
+# and value projections in an attention layer are not blocks, nor are a
+# decoder block's self- and cross-attention layers.
 
 
 def _is_model(layer):
@@ -1034,19 +1090,42 @@ def _is_model(layer):
 
 
 def _feeds(parent, framework):
-    """`{(id(a), id(b))}` where layer a's output is an input of layer b; None without a graph."""
+    """`{(id(a), id(b))}` where layer a's output is an input of layer b; or, where both are blocks (`_is_block`),
+    reaches it through calls of layers without weights (a Dropout, an activation, an op: NOTE [ a chain of
+    blocks ]); None without a graph."""
     functional = framework.functional_of(parent) if parent is not None else None
     if functional is None:
         return None
-    producer = {}
+    producer = {}  # a tensor -> the layer whose call made it
+    reaching = {}  # a tensor -> {id: layer} of the layers with weights whose outputs reach it through calls without
     pairs = set()
     for layer, input_ids, output_ids, _ in framework.graph_nodes(functional):
+        pairs.update((id(producer[tensor]), id(layer)) for tensor in input_ids if tensor in producer)
+        sources = {}
+        for tensor in input_ids:
+            sources.update(reaching.get(tensor, {}))
+        if sources and _context.is_layer(layer) and _is_block(layer):
+            pairs.update((key, id(layer)) for key, source in sources.items() if _is_block(source))
+        passes_on = {id(layer): layer} if getattr(layer, "weights", None) else sources
         for tensor in output_ids:
             producer[tensor] = layer
-        for tensor in input_ids:
-            if tensor in producer:
-                pairs.add((id(producer[tensor]), id(layer)))
+            reaching[tensor] = passes_on
     return pairs
+
+
+# NOTE [ a chain of blocks ]
+# keras-hub's RWKV-7 calls one Dropout layer between its blocks, on the
+# stream a block hands the next (`x = dropout(block(x, v_first))`): in its
+# graph the blocks were not consecutive layers, nor one's output the next
+# one's input, so "auto" found no run (3 blocks: the last two, by the value
+# stream they also pass on; 2 blocks: none) and cut the graph into two pieces,
+# the whole backbone one of them. A run in a graph is now a chain of layers of
+# one class, whatever other layers lie between them in the model's list, each
+# one's output the next one's input or, for blocks (layers that hold layers
+# with weights), reaching it through calls of layers without weights. Leaf
+# layers chain directly only: a Sequential's Conv2D, ReLU, Conv2D are not a
+# run of blocks (each Conv2D a unit would keep what plain keeps), and are cut
+# into pieces as before.
 
 
 def _check_attention(units):

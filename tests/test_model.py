@@ -465,6 +465,99 @@ def test_attention_layers_side_by_side_are_not_blocks():
     assert not any("attention" in name for name in _model.recomputed_units(model))
 
 
+class DecoderBlock(Block):
+    """A second class of block: an encoder-decoder's decoder."""
+
+
+def encoder_decoder_model():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16,))
+    hidden = layers.Dense(16, name="stem")(inputs)
+    for i in range(3):
+        hidden = Block(name=f"encoder_{i}")(hidden)
+    hidden = layers.Dense(16, name="bridge")(hidden)
+    for i in range(2):
+        hidden = DecoderBlock(name=f"decoder_{i}")(hidden)
+    return keras.Model(inputs, layers.Dense(3, name="head")(hidden))
+
+
+def test_auto_takes_every_run_of_blocks():
+    """NOTE [ every run of blocks ]: "auto" took the longest run, and an encoder-decoder's decoder stayed plain."""
+    names = ["encoder_0", "encoder_1", "encoder_2", "decoder_0", "decoder_1"]
+    model = encoder_decoder_model()
+    recompute_model(model)
+    assert _model.recomputed_units(model) == names
+    compare_on_and_off(model, [X], FAST_MODE, train_call, steps=2)
+    assert_recomputes(encoder_decoder_model, recompute_model, names, ["stem", "bridge"], counted=(Block, layers.Dense))
+
+
+def shared_dropout_model():
+    """Blocks with one Dropout layer called between them, as keras-hub's RWKV-7 calls its dropout."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16,))
+    dropout = layers.Dropout(0.2, seed=3)
+    hidden = layers.Dense(16, name="stem")(inputs)
+    for i in range(2):
+        hidden = dropout(Block(name=f"block_{i}")(hidden))
+    return keras.Model(inputs, layers.Dense(3, name="head")(hidden))
+
+
+def test_auto_chains_blocks_through_layers_without_weights():
+    """NOTE [ a chain of blocks ]: a Dropout layer between the blocks came between them in the model's list."""
+    model = shared_dropout_model()
+    recompute_model(model)
+    assert _model.recomputed_units(model) == ["block_0", "block_1"]
+    compare_on_and_off(model, [X], FAST_MODE, train_call, steps=2)
+    assert_recomputes(shared_dropout_model, recompute_model, ["block_0", "block_1"], [])
+
+
+class Projection(layers.Layer):
+    """One Dense in a layer (keras-hub Gemma 4's clippable projections): not a block."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = layers.Dense(16)
+
+    def call(self, inputs):
+        return self.dense(inputs)
+
+
+class Mixer(layers.Layer):
+    """Three projections side by side, and a stage's three blocks (a longer run than two stages)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.query, self.key, self.value = Projection(name="query"), Projection(name="key"), Projection(name="value")
+        self.inner = [Block(name=f"{self.name}_block_{i}") for i in range(3)]
+
+    def call(self, inputs, training=None):
+        hidden = self.query(inputs) * self.key(inputs) + self.value(inputs)
+        for block in self.inner:
+            hidden = block(hidden, training=training)
+        return hidden
+
+
+def staged_model():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16,))
+    hidden = layers.Dense(16, name="stem")(inputs)
+    for i in range(2):
+        hidden = Mixer(name=f"stage_{i}")(hidden)
+    return keras.Model(inputs, layers.Dense(3, name="head")(hidden))
+
+
+def test_auto_takes_outer_runs_and_no_wrapper_of_one_layer():
+    """NOTE [ every run of blocks ]: the stages, not the blocks in them; never the projections side by side."""
+    model = staged_model()
+    recompute_model(model)
+    assert _model.recomputed_units(model) == ["stage_0", "stage_1"]
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16,))
+    model = keras.Model(inputs, Mixer(name="mixer")(layers.Dense(16, name="stem")(inputs)))
+    recompute_model(model)
+    assert _model.recomputed_units(model) == ["mixer_block_0", "mixer_block_1", "mixer_block_2"]
+
+
 class RecomputedAttending(layers.Layer):
     """Attention with dropout and a gelu FFN, its own call recomputed (`full`, following the switch)."""
 
