@@ -200,8 +200,8 @@ def main(argv=None):
             print(f"{backend:10s} {row['setup']:22s} {row['policy']:14s} {'ok ' if row['ok'] else 'BAD'} {shown}",
                   flush=True)
     rows = [row for backend in results.values() for row in backend]
-    summary = f"{sum(row['ok'] for row in rows)} of {len(rows)} rows ok"
-    print(summary)
+    summary = {"ok": sum(row["ok"] for row in rows), "rows": len(rows)}
+    print(f"{summary['ok']} of {summary['rows']} rows ok")
     if args.out:
         from importlib.metadata import version  # the parent imports no framework
 
