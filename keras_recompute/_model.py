@@ -1017,15 +1017,16 @@ def _runs(groups, qualifies):
     """
     found = []
     for children, feeds in groups:
-        runs, chains = {}, []
+        chains = []
         for layer in children:
-            key = type(layer) if feeds is not None else None
-            run = runs.get(key)
-            if run and type(layer) is type(run[-1]) and (feeds is None or (id(run[-1]), id(layer)) in feeds):
-                run.append(layer)
+            if feeds is None:  # the chain the previous child ended, if this one is of its class
+                open_ = chains[-1:] if chains and type(chains[-1][-1]) is type(layer) else []
+            else:  # any chain of this class whose last layer feeds this one (two towers' blocks interleave)
+                open_ = [c for c in chains if type(c[-1]) is type(layer) and (id(c[-1]), id(layer)) in feeds][:1]
+            if open_:
+                open_[0].append(layer)
             else:
-                runs[key] = [layer]
-                chains.append(runs[key])
+                chains.append([layer])
         for chain in chains:  # split where a layer does not qualify
             part = []
             for layer in chain + [None]:
@@ -1097,7 +1098,7 @@ def _feeds(parent, framework):
     if functional is None:
         return None
     producer = {}  # a tensor -> the layer whose call made it
-    reaching = {}  # a tensor -> {id: layer} of the layers with weights whose outputs reach it through calls without
+    reaching = {}  # a tensor -> {id: layer}: the layers with weights whose outputs reach it through calls without weights
     pairs = set()
     for layer, input_ids, output_ids, _ in framework.graph_nodes(functional):
         pairs.update((id(producer[tensor]), id(layer)) for tensor in input_ids if tensor in producer)
@@ -1120,7 +1121,8 @@ def _feeds(parent, framework):
 # one's input, so "auto" found no run (3 blocks: the last two, by the value
 # stream they also pass on; 2 blocks: none) and cut the graph into two pieces,
 # the whole backbone one of them. A run in a graph is now a chain of layers of
-# one class, whatever other layers lie between them in the model's list, each
+# one class, whatever other layers lie between them in the model's list (two
+# towers' blocks interleave there, tower by tower at each depth), each
 # one's output the next one's input or, for blocks (layers that hold layers
 # with weights), reaching it through calls of layers without weights. Leaf
 # layers chain directly only: a Sequential's Conv2D, ReLU, Conv2D are not a

@@ -491,6 +491,24 @@ def test_auto_takes_every_run_of_blocks():
     assert_recomputes(encoder_decoder_model, recompute_model, names, ["stem", "bridge"], counted=(Block, layers.Dense))
 
 
+def two_towers_model():
+    """Two towers of blocks of one class: in the model's list their blocks interleave (a_0, b_0, a_1, ...)."""
+    keras.utils.set_random_seed(0)
+    first, second = keras.Input((16,)), keras.Input((16,))
+    hidden = [layers.Dense(16, name="stem_a")(first), layers.Dense(16, name="stem_b")(second)]
+    for i in range(2):
+        hidden = [Block(name=f"a_{i}")(hidden[0]), Block(name=f"b_{i}")(hidden[1])]
+    return keras.Model([first, second], layers.Dense(3, name="head")(layers.Concatenate()(hidden)))
+
+
+def test_auto_finds_two_towers_whose_blocks_interleave():
+    model = two_towers_model()
+    assert [layer.name for layer in model.layers if layer.name[:2] in ("a_", "b_")] == ["a_0", "b_0", "a_1", "b_1"]
+    recompute_model(model)
+    assert _model.recomputed_units(model) == ["a_0", "a_1", "b_0", "b_1"]
+    compare_on_and_off(model, [X, X[::-1].copy()], FAST_MODE, lambda model, xs: model(list(xs), training=True), steps=2)
+
+
 def shared_dropout_model():
     """Blocks with one Dropout layer called between them, as keras-hub's RWKV-7 calls its dropout."""
     keras.utils.set_random_seed(0)
