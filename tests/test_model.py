@@ -469,16 +469,22 @@ class DecoderBlock(Block):
     """A second class of block: an encoder-decoder's decoder."""
 
 
-def encoder_decoder_model():
+def chained(make_layers):
+    """A functional model from a fixed seed: a Dense stem, the layers `make_layers()` returns in turn, a head."""
     keras.utils.set_random_seed(0)
     inputs = keras.Input((16,))
     hidden = layers.Dense(16, name="stem")(inputs)
-    for i in range(3):
-        hidden = Block(name=f"encoder_{i}")(hidden)
-    hidden = layers.Dense(16, name="bridge")(hidden)
-    for i in range(2):
-        hidden = DecoderBlock(name=f"decoder_{i}")(hidden)
+    for layer in make_layers():
+        hidden = layer(hidden)
     return keras.Model(inputs, layers.Dense(3, name="head")(hidden))
+
+
+def encoder_decoder_model():
+    return chained(
+        lambda: [Block(name=f"encoder_{i}") for i in range(3)]
+        + [layers.Dense(16, name="bridge")]
+        + [DecoderBlock(name=f"decoder_{i}") for i in range(2)]
+    )
 
 
 def test_auto_takes_every_run_of_blocks():
@@ -556,12 +562,7 @@ class Mixer(layers.Layer):
 
 
 def staged_model():
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((16,))
-    hidden = layers.Dense(16, name="stem")(inputs)
-    for i in range(2):
-        hidden = Mixer(name=f"stage_{i}")(hidden)
-    return keras.Model(inputs, layers.Dense(3, name="head")(hidden))
+    return chained(lambda: [Mixer(name=f"stage_{i}") for i in range(2)])
 
 
 def test_auto_takes_outer_runs_and_no_wrapper_of_one_layer():
