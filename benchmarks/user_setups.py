@@ -2,10 +2,14 @@
 
 Exactness is proven only where it was tried. The suite compares gradients and
 first updates on blocks, keras-hub models, masks, LoRA and mixed precision;
-this tries what a user's `compile` and model add around them: Adam,
-gradient accumulation (`gradient_accumulation_steps`), an EMA of the weights
+this tries what a user's `compile` and model add around them, on Keras 3's
+three backends and on tf_keras: Adam,
+gradient accumulation (`gradient_accumulation_steps`, not in tf_keras), an EMA of the weights
 (`use_ema`), several steps per call (`steps_per_execution`, not on PyTorch,
-which refuses it), XLA (`jit_compile=True`, TensorFlow), a clipped
+which refuses it), XLA (`jit_compile=True`, TensorFlow and tf_keras: under
+XLA tf_keras's default random ops draw differently on every run, plain's too,
+and its row's plain spread says so; a second row draws from a
+`tf.random.Generator`, which repeats), a clipped
 loss-scaled optimizer (`LossScaleOptimizer` around `SGD(global_clipnorm=)`),
 a Dense called twice in a block, one block instance called twice in the
 model, and an LSTM inside a block. The model: Dense 16, two blocks of
@@ -43,13 +47,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _record  # noqa: E402
 
 CHILD = r"""
-import json, sys
+import json, os, sys
 import numpy as np
-import keras
+if os.environ.get("USER_SETUPS_TF_KERAS"):
+    import tf_keras as keras
+    BACKEND = "tf_keras"
+else:
+    import keras
+    BACKEND = keras.backend.backend()
 import keras_recompute
 from keras_recompute import recompute_grad
 
-BACKEND = keras.backend.backend()
 CALLS = {"block": 0, "core": 0}
 core = keras.layers.MultiHeadAttention._compute_attention
 
@@ -100,23 +108,32 @@ def build(kind):
 
 
 SGD = lambda **kw: keras.optimizers.SGD(0.1, **kw)
+LossScale = getattr(keras.optimizers, "LossScaleOptimizer", None) or keras.mixed_precision.LossScaleOptimizer
 SETUPS = {
     "sgd": dict(optimizer=SGD),
     "adam": dict(optimizer=lambda: keras.optimizers.Adam(1e-2), tolerance=1e-4),
-    "gradient_accumulation": dict(optimizer=lambda: SGD(gradient_accumulation_steps=2)),
     "ema": dict(optimizer=lambda: keras.optimizers.Adam(1e-2, use_ema=True, ema_overwrite_frequency=2), tolerance=1e-4),
-    "loss_scale_clipnorm": dict(optimizer=lambda: keras.optimizers.LossScaleOptimizer(SGD(global_clipnorm=0.5))),
+    "loss_scale_clipnorm": dict(optimizer=lambda: LossScale(SGD(global_clipnorm=0.5))),
     "shared_dense": dict(optimizer=SGD, kind="shared_dense"),
     "reused_block": dict(optimizer=SGD, kind="reused_block"),
     "lstm": dict(optimizer=SGD, kind="lstm"),
 }
+if BACKEND != "tf_keras":  # tf_keras's optimizers do not accumulate
+    SETUPS["gradient_accumulation"] = dict(optimizer=lambda: SGD(gradient_accumulation_steps=2))
 if BACKEND != "torch":  # Keras on PyTorch refuses steps_per_execution > 1
     SETUPS["steps_per_execution"] = dict(optimizer=SGD, compile=dict(steps_per_execution=2))
-if BACKEND == "tensorflow":
+if BACKEND in ("tensorflow", "tf_keras"):
     SETUPS["jit_compile"] = dict(optimizer=SGD, compile=dict(jit_compile=True))
+if BACKEND == "tf_keras":
+    # tf_keras's default (legacy, stateful) random ops draw differently on every run under XLA, plain's too
+    # (docs/exactness.md): its XLA row draws from a `tf.random.Generator`, whose seed makes plain repeatable.
+    SETUPS["jit_compile_generator"] = dict(optimizer=SGD, compile=dict(jit_compile=True), generator=True)
 
 
 def fit(setup, on, policy=None):
+    if BACKEND == "tf_keras":
+        switch = keras.backend.experimental
+        switch.enable_tf_random_generator() if setup.get("generator") else switch.disable_tf_random_generator()
     model = build(setup.get("kind", "plain"))
     if policy is not None:
         keras_recompute.recompute_model(model, blocks=Block, policy=policy)
@@ -185,12 +202,14 @@ print(json.dumps(rows))
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--backends", nargs="+", default=["tensorflow", "jax", "torch"])
+    parser.add_argument("--backends", nargs="+", default=["tensorflow", "jax", "torch", "tf_keras"])
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     results = {}
     for backend in args.backends:
         env = dict(os.environ, KERAS_BACKEND=backend)
+        if backend == "tf_keras":  # Keras 2 (tf_keras) on TensorFlow
+            env.update(KERAS_BACKEND="tensorflow", USER_SETUPS_TF_KERAS="1")
         done = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True)
         if done.returncode:
             sys.exit(f"{backend} failed:\n{done.stderr[-3000:]}")
