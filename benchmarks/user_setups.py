@@ -3,25 +3,25 @@
 Exactness is proven only where it was tried. The suite compares gradients and
 first updates on blocks, keras-hub models, masks, LoRA and mixed precision;
 this tries what a user's `compile` and model add around them, on Keras 3's
-three backends and on tf_keras: Adam,
-gradient accumulation (`gradient_accumulation_steps`, not in tf_keras), an EMA of the weights
+three backends and on tf_keras: Adam, gradient accumulation
+(`gradient_accumulation_steps`, not in tf_keras), an EMA of the weights
 (`use_ema`), several steps per call (`steps_per_execution`, not on PyTorch,
-which refuses it), XLA (`jit_compile=True`, TensorFlow and tf_keras: under
-XLA tf_keras's default random ops draw differently on every run, plain's too,
-and its row's plain spread says so; a second row draws from a
-`tf.random.Generator`, which repeats), a clipped
-loss-scaled optimizer (`LossScaleOptimizer` around `SGD(global_clipnorm=)`),
-a Dense called twice in a block, one block instance called twice in the
-model, and an LSTM inside a block. The model: Dense 16, two blocks of
-MultiHeadAttention (2 heads of 8, attention dropout 0.1) + LayerNormalization
-+ Dense 32 gelu + Dropout 0.2 + Dense 16, and a head; its blocks' class `call`
-is decorated with `recompute_grad` (`full`), and `save_dots` and
-`attention_core` are applied over it with `recompute_model`.
+which refuses it), XLA (`jit_compile=True`, TensorFlow and tf_keras: under XLA
+tf_keras's default random ops draw differently on every run, plain's too, and
+that row's plain spread says so; a second row draws from a
+`tf.random.Generator`, which repeats), a clipped loss-scaled optimizer
+(`LossScaleOptimizer` around `SGD(global_clipnorm=)`), a Dense called twice in
+a block, one block instance called twice in the model, and an LSTM inside a
+block. The model: Dense 16, two blocks of MultiHeadAttention (2 heads of 8,
+attention dropout 0.1) + LayerNormalization + Dense 32 gelu + Dropout 0.2 +
+Dense 16, and a head; its blocks' class `call` is decorated with
+`recompute_grad` (`full`), and `save_dots` and `attention_core` are applied
+over it with `recompute_model`.
 
 Each setup is built from one seed and fit for 2 steps (32 samples, batch 16):
 plain twice (the spread: on a CPU plain is bitwise the same), then once per
-policy with recompute on. The error is normwise: the final weights' largest
-difference from plain's, as a norm over the whole model, over the norm of
+policy with recompute on. The error is normwise: the final weights'
+difference from plain's, one norm over the whole model, over the norm of
 plain's weights. Each policy's row also counts the calls of the blocks' call
 and of the attention cores against plain's (on JAX, which traces a call once
 and replays it, the exponentials in the program of a gradient), so a row
@@ -33,7 +33,7 @@ fresh process.
 SGD's update is its gradient times the rate: a wrong gradient shows at once.
 Adam divides each element by its own gradient's size, so an element whose
 gradient is rounding (an attention key bias's) moves by up to the rate,
-either way: Adam's rows are held to 1e-4 (their rounding measured 6e-6 to
+either way: Adam's rows are held to 1e-4 (their rounding measured up to
 9e-6), SGD's to 1e-5 (as the suite's).
 """
 
