@@ -63,11 +63,13 @@ def recompute_model(
 
     Args:
         model: a Keras 3 or tf_keras model (or layer).
-        blocks: which units recompute. `"auto"`: the model's repeated blocks
-            (a keras-hub backbone's `transformer_layers`; else the longest run
-            of consecutive layers of one class in a model, else in a layer's
-            list of blocks (keras-hub's ViT); else, in a functional model,
-            the pieces between tensors that separate its graph). Or a layer
+        blocks: which units recompute. `"auto"`: the model's repeated blocks,
+            every run of them (a keras-hub backbone's `transformer_layers`,
+            chains of blocks of one class in a model's graph, runs of them in a
+            layer's list (keras-hub's ViT): an encoder-decoder's both sides,
+            both towers; outer runs first); else the longest chain of layers of
+            one class with weights in a graph; else, in a functional model,
+            the pieces between tensors that separate its graph. Or a layer
             class or tuple of classes, a list of layer names, or a predicate
             `layer -> bool`; nested layers are found too, and a layer inside a
             chosen one is not chosen again.
