@@ -975,8 +975,9 @@ def _auto_blocks(model, framework):
     )
     raise ValueError(
         f"keras_recompute: recompute_model(blocks='auto') found no repeated blocks in {model.name!r} "
-        f"({type(model).__name__}): no keras-hub `transformer_layers`, no run of two or more "
-        f"consecutive layers of one class with weights, and no functional graph to cut.{unbuilt} Pass blocks= "
+        f"({type(model).__name__}): no keras-hub `transformer_layers`, no two or more blocks of one class "
+        f"(layers that hold layers with weights) in a chain or in a layer's list, no chain of layers of one class "
+        f"with weights, and no functional graph to cut.{unbuilt} Pass blocks= "
         "(a layer class, layer names or a predicate), or segments= for a functional model."
     )
 
