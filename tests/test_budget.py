@@ -818,6 +818,7 @@ def test_what_a_frozen_weights_gradient_would_read_is_not_counted_kept():
 _LOSS_CHILD = r"""
 import json, sys
 import numpy as np, tensorflow as tf
+tf.config.threading.set_inter_op_parallelism_threads(1)  # one order of ops: the peak does not vary with the load
 if sys.argv[1] == "tf_keras":
     import tf_keras as keras
 else:
