@@ -954,8 +954,8 @@ def _auto_blocks(model, framework):
     with weights in a graph; else None (a graph's pieces)."""
     listed = []
     for layer in [model] + _context.sublayers(model):
-        if any(_listed_blocks(layer, attribute) for attribute in _BLOCK_LISTS):
-            listed = [x for attribute in _BLOCK_LISTS for x in _listed_blocks(layer, attribute)]
+        listed = [x for attribute in _BLOCK_LISTS for x in _listed_blocks(layer, attribute)]
+        if listed:
             break
     graphs = [(framework.children(p), _feeds(p, framework)) for p in _models_in(model)]
     lists = [(_context.children(p), None) for p in _context.sublayers(model) if not _is_model(p)]
