@@ -173,10 +173,17 @@ def parse_budget(budget):
 
 
 def format_bytes(size):
-    """`size` bytes in the unit that reads best (MB or GB, powers of 10, as the budget's "MB")."""
+    """`size` bytes in the unit that reads best (kB, MB or GB, powers of 10, as the budget's "MB").
+
+    Below 0.1 MB in kB, below 1 kB in bytes: a small model's units read "12.3 kB", not "0.0 MB".
+    """
     if abs(size) >= 10**9:
         return f"{size / 10**9:.2f} GB"
-    return f"{size / 10**6:.1f} MB"
+    if abs(size) >= 10**5:
+        return f"{size / 10**6:.1f} MB"
+    if abs(size) >= 10**3:
+        return f"{size / 10**3:.1f} kB"
+    return f"{int(size)} bytes"
 
 
 class Option:

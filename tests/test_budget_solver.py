@@ -190,6 +190,10 @@ def test_applied_as_made_the_update_is_that_of_the_gradients_alive():
 def test_format_bytes():
     assert _budget.format_bytes(512 * 10**6) == "512.0 MB"
     assert _budget.format_bytes(12 * 10**9) == "12.00 GB"
+    assert _budget.format_bytes(10**5) == "0.1 MB"
+    assert _budget.format_bytes(12_345) == "12.3 kB"
+    assert _budget.format_bytes(999) == "999 bytes"
+    assert _budget.format_bytes(0) == "0 bytes"
 
 
 def test_of_plans_alike_in_time_the_earlier_units_recompute():
