@@ -301,10 +301,14 @@ def measured(script, arguments, backend, one_row_arguments):
 
 
 def largest_batch(fits, limit=MAX_BATCH):
-    """The largest batch for which `fits(batch)` is true: doubling, then bisection."""
+    """The largest batch up to `limit` for which `fits(batch)` is true: doubling, then bisection.
+
+    No batch above `limit` is tried: doubling past it bisects below `limit + 1`.
+    """
     low, high = 0, 1
     while high <= limit and fits(high):
         low, high = high, high * 2
+    high = min(high, limit + 1)
     while high - low > 1:
         middle = (low + high) // 2
         low, high = (middle, high) if fits(middle) else (low, middle)
