@@ -198,7 +198,7 @@ def _with_cores_recomputed(fn, args, kwargs, context, check, offload):
     owner = context.owner
     layers = _policy.attention_layers(owner) if _context.is_layer(owner) else []
     if not layers:
-        raise ValueError(_policy.no_attention_message([context.name]))
+        raise ValueError(_policy.no_attention_message([context.name], [owner]))
     with _policy.cores_recomputed(layers, recompute_grad, check, offload):
         return fn(*args, **kwargs)
 

@@ -117,7 +117,9 @@ def recompute_model(
         ValueError: for an unknown policy or layer name, a `segments` or
             `limit` that is not a valid count, `segments` on a model without
             a graph to cut, a model where `"auto"` finds no units,
-            `"attention_core"` on units without an attention layer, a budget
+            `"attention_core"` on units without an attention layer (with
+            `blocks="auto"`: where no unit has one; the others are left
+            out, with a warning), a budget
             that cannot be read, `budget` without `inputs` or with `limit`,
             `inputs` or `execution` without `budget`, an unknown
             `execution`, a budget below the least peak any plan reaches, or
@@ -149,6 +151,8 @@ def recompute_model(
         units = pieces.units
     chosen = tuple(units)  # the units a report of this plan is over (NOTE [ the units of a planned model ])
     if budget is None:
+        if policy == _policy.ATTENTION_CORE and segments is None and isinstance(blocks, str) and blocks == "auto":
+            units = _auto_units_with_cores(units)
         units = units[:limit]
         if policy == _policy.ATTENTION_CORE:
             _check_attention(units)
@@ -1133,10 +1137,53 @@ def _feeds(parent, framework):
 # into pieces as before.
 
 
+# NOTE [ "auto" under attention_core ]
+# "auto" takes every run of blocks (NOTE [ every run of blocks ]), and a model's
+# runs need not all hold an attention layer whose core keras_recompute can
+# recompute alone: PaliGemma's and Gemma 3's vision encoders compute their
+# cores inside their attention layers' `call` (PaliGemmaVitAttention,
+# Gemma3VisionAttention), Qwen3.5's linear-attention layers have no softmax
+# core. Under `policy="attention_core"` "auto" keeps the units that hold one
+# and leaves the others as they are, with a warning that names them and what
+# else would recompute them; only where no unit holds one does it raise. Until
+# 2026-11-30 it raised there: "auto" had taken only the longest run (the
+# language model's decoder) until the day before, and the change to every run
+# turned `recompute_model(paligemma, policy="attention_core")`, which worked,
+# into an error. A report of the plan is over every unit "auto" found, the
+# ones left out shown as not recomputed (as `limit=` leaves units out).
+
+
+def _auto_units_with_cores(units):
+    """Of the units "auto" chose, those that hold an attention layer we know; warns of the others (NOTE [ "auto"
+    under attention_core ]). All of them when none holds one: `_check_attention` then raises."""
+    kept = [unit for unit in units if _policy.attention_layers(unit)]
+    if not kept or len(kept) == len(units):
+        return units
+    left = [unit for unit in units if not _policy.attention_layers(unit)]
+    inline = _policy.inline_attention(left)
+    warnings.warn(
+        f"keras_recompute: recompute_model(policy='attention_core'): 'auto' found {len(units)} units, and "
+        f"{', '.join(repr(_memory.unit_name(unit)) for unit in left)} hold no attention layer whose core "
+        "keras_recompute can recompute alone"
+        + (f" ({', '.join(inline)} {'computes its' if len(inline) == 1 else 'compute their'} core inside `call`)"
+           if inline else "")
+        + (f": the other {len(kept)} recompute their cores" if len(kept) > 1 else ": the other one recomputes its cores")
+        + ", these are left as they are. To recompute them too, "
+        "use policy='full' or 'save_dots', or budget=, whose plan gives each unit a policy it can take.",
+        stacklevel=3,
+    )
+    return kept
+
+
 def _check_attention(units):
-    without = [_memory.unit_name(unit) for unit in units if not _policy.attention_layers(unit)]
-    if without:
-        raise ValueError(_policy.no_attention_message(without))
+    held = [bool(_policy.attention_layers(unit)) for unit in units]
+    if not all(held):
+        without = [unit for unit, has in zip(units, held) if not has]
+        raise ValueError(_policy.no_attention_message(
+            [_memory.unit_name(unit) for unit in without],
+            without,
+            [unit.name for unit, has in zip(units, held) if has and not hasattr(unit, "_keras_recompute_label")],
+        ))
 
 
 def _patch_call(layer, enabled, policy, offload=False):

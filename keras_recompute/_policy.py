@@ -18,8 +18,14 @@ more and recompute less; each costs memory where it saves time:
     call, and each attention layer's core method is recomputed as a unit of
     its own with `"full"`, on every backend's usual path.
 An attention layer is a layer with a `_compute_attention` method (Keras's and
-tf_keras's `MultiHeadAttention` and their subclasses, keras-hub's attention
-layers of every family) or with `pay_attention_to` (bert4keras).
+tf_keras's `MultiHeadAttention` and their subclasses, most of keras-hub's
+attention layers, a user's own layer whose core is a method of that name) or
+with `pay_attention_to` (bert4keras). Some keras-hub families (Bloom, Falcon,
+T5, ESM, SAM, Swin, the vision encoders of PaliGemma and Gemma 3, ...) compute
+the core inside their attention layer's `call`, which no method patch can
+separate: units of theirs have no core to recompute, and `inline_attention`
+names those layers in the error (NOTE [ "auto" under attention_core ] in
+`_model`).
 """
 
 import contextlib
@@ -118,12 +124,50 @@ def attention_layers(root):
     return [layer for layer in [root] + _context.sublayers(root) if core_method(layer) is not None]
 
 
-def no_attention_message(names):
+def inline_attention(roots):
+    """The class names of the layers in `roots` (and under them) that are named as attention layers but have no
+    core method we know: their core runs inside their `call` (keras-hub's Falcon, T5, ...), or they are not
+    attention at all (a mask layer, excluded by name)."""
+    names = []
+    for root in roots:
+        if not _context.is_layer(root):
+            continue
+        for layer in [root] + _context.sublayers(root):
+            name = type(layer).__name__
+            inline = "attention" in name.lower() and "mask" not in name.lower() and core_method(layer) is None
+            if inline and name not in names:
+                names.append(name)
+    return names
+
+
+def no_attention_message(names, layers=(), others=()):
+    """The error of `"attention_core"` on units without an attention layer we know.
+
+    Args:
+        names: how to name those units.
+        layers: the units themselves (layers, or a call's owner), to name the attention-like layers in them.
+        others: the names of the chosen units that do hold an attention layer we know, if any.
+    """
+    inline = inline_attention(layers)
+    held = (
+        f" They hold {', '.join(inline)}, which {'computes its' if len(inline) == 1 else 'compute their'} core "
+        "inside `call`, not in a method of its own: that core cannot be recomputed alone."
+        if inline else ""
+    )
+    only = (
+        f" blocks={list(others)!r} recomputes the cores of the units that hold one, and those units alone;"
+        if others else ""
+    )
     return (
         f"keras_recompute: policy='attention_core' recomputes the core of the attention layers inside a "
-        f"unit, and {', '.join(repr(n) for n in names)} contain none that keras_recompute knows (a layer "
-        "with `_compute_attention`: Keras's MultiHeadAttention and keras-hub's attention layers; or "
-        "bert4keras's MultiHeadAttention). Use policy='full' or 'save_dots' for these units."
+        f"unit, and {', '.join(repr(n) for n in names)} {'contain' if len(names) > 1 else 'contains'} none that "
+        "keras_recompute knows: a layer "
+        "with a `_compute_attention` method (Keras's MultiHeadAttention and its subclasses, most of keras-hub's "
+        f"attention layers) or bert4keras's `pay_attention_to`.{held} Use policy='full' or 'save_dots' for "
+        f"these units, or budget=, whose plan gives each unit a policy it can take;{only} or, in an attention layer "
+        "of "
+        "your own, compute its core (scores, softmax, dropout, weighted sum) in a method named "
+        "`_compute_attention`."
     )
 
 

@@ -98,10 +98,11 @@ def counted(*methods):
             setattr(cls, name, original)
 
 
-def block(policy=None, offload=False):
+def block(policy=None, offload=False, cls=None):
     keras.utils.set_random_seed(0)
+    cls = cls or AttentionBlock
     options = {"offload": True} if offload else {}
-    layer = (AttentionBlock if policy is None else recomputed_class(AttentionBlock, policy=policy, **options))()
+    layer = (cls if policy is None else recomputed_class(cls, policy=policy, **options))()
     with recompute_scope(False):
         train_call(layer, [X])
     return layer
@@ -117,9 +118,9 @@ def test_attention_core_recomputes_the_core_alone():
     assert counts == {"AttentionBlock.call": 1, "MultiHeadAttention._compute_attention": 2}
 
 
-def _program_counts(policy):
+def _program_counts(policy, cls=None):
     with recompute_scope(True):
-        program = step_program(block(policy), [X], train_call)
+        program = step_program(block(policy, cls=cls), [X], train_call)
     patterns = {"dot_general": r"= dot_general\b", "exp": r"= exp\b", "erf": r"= erfc?\b"}
     return {op: len(re.findall(pattern, program)) for op, pattern in patterns.items()}
 
@@ -560,8 +561,124 @@ def test_attention_core_on_a_call_without_attention_says_so():
         def call(self, inputs):
             return self.dense(inputs)
 
-    with pytest.raises(ValueError, match=r"attention_core.*NoAttention\.call.*contain none"):
+    with pytest.raises(ValueError, match=r"attention_core.*NoAttention\.call.*contains none"):
         NoAttention()(X)
+
+
+class OwnAttention(layers.Layer):
+    """A user's attention layer, not Keras's: its core is a method named `_compute_attention`, of its own
+    signature, returning the output alone; its dropout is a Keras `Dropout` of its own."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.query, self.key, self.value, self.out = (layers.Dense(16, name=name) for name in "qkvo")
+        self.dropout = layers.Dropout(0.2, seed=5)
+
+    def _compute_attention(self, query, key, value, training=None):
+        scores = keras.ops.softmax(keras.ops.einsum("bqd,bkd->bqk", query, key) * 0.25, axis=-1)
+        return keras.ops.einsum("bqk,bkd->bqd", self.dropout(scores, training=training), value)
+
+    def call(self, inputs, training=None):
+        query, key, value = self.query(inputs), self.key(inputs), self.value(inputs)
+        return self.out(self._compute_attention(query, key, value, training=training))
+
+
+class SelfAttention(OwnAttention):
+    """The same attention, its core inline in `call` (as keras-hub's Falcon, T5, ...): no core method."""
+
+    _compute_attention = None
+
+    def call(self, inputs, training=None):
+        scores = keras.ops.softmax(keras.ops.einsum("bqd,bkd->bqk", self.query(inputs), self.key(inputs)) * 0.25)
+        return self.out(keras.ops.einsum("bqk,bkd->bqd", self.dropout(scores, training=training), self.value(inputs)))
+
+
+class OwnBlock(layers.Layer):
+    attention_class = OwnAttention
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.attention = self.attention_class()
+        self.norm = layers.LayerNormalization()
+        self.up = layers.Dense(32, activation="gelu")
+        self.down = layers.Dense(16)
+
+    def call(self, inputs, training=None):
+        hidden = self.norm(inputs + self.attention(inputs, training=training))
+        return hidden + self.down(self.up(hidden))
+
+
+class InlineBlock(OwnBlock):
+    attention_class = SelfAttention
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_attention_core_recomputes_the_core_method_of_a_users_own_attention(mode):
+    """The extension point the docs and the error name: any layer's `_compute_attention` is its core. Exact (dropout
+    inside the core included), and the core alone recomputes: counted calls, or on JAX one more softmax and no
+    more gelu in the step's program."""
+    compare_with_twin(OwnBlock, [X], mode, steps=2, policy="attention_core")
+    if BACKEND == "jax":
+        plain, recomputed = _program_counts(None, OwnBlock), _program_counts("attention_core", OwnBlock)
+        assert {op: recomputed[op] - plain[op] for op in ("exp", "erf")} == {"exp": 1, "erf": 0}
+        return
+    with counted((OwnBlock, "call"), (OwnAttention, "_compute_attention")) as counts:
+        layer = block("attention_core", cls=OwnBlock)
+        counts.clear()
+        with recompute_scope(True):
+            loss_and_gradients(layer, [X], mode, train_call)
+    assert counts == {"OwnBlock.call": 1, "OwnAttention._compute_attention": 2}
+
+
+def test_attention_core_names_an_attention_layer_whose_core_is_inline():
+    with pytest.raises(ValueError, match=r"recomputed_inline_block.*They hold SelfAttention, which computes its core inside "
+                                         r"`call`.*method named `_compute_attention`"):
+        layer = block("attention_core", cls=InlineBlock)
+        with recompute_scope(True):
+            train_call(layer, [X])
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6, 16))
+    hidden = InlineBlock(name="inline")(OwnBlock(name="own")(inputs))
+    model = keras.Model(inputs, hidden)
+    with pytest.raises(ValueError, match=r"'inline' contains none.*SelfAttention.*blocks=\['own'\] recomputes the "
+                                         r"cores of the units that hold one"):
+        recompute_model(model, blocks=lambda layer: layer.name in ("own", "inline"), policy="attention_core")
+
+
+def two_towers(first, second):
+    """A model of two runs of blocks, two of class `first`, then two of class `second`."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6, 16))
+    hidden = inputs
+    for i, cls in enumerate([first, first, second, second]):
+        hidden = cls(name=f"{cls.__name__.lower()}_{i}")(hidden)
+    return keras.Model(inputs, hidden)
+
+
+def test_auto_under_attention_core_leaves_out_the_blocks_whose_core_is_inline():
+    """NOTE [ "auto" under attention_core ]: as PaliGemma's vision encoder beside its decoder, "auto" finds two runs,
+    one without a core it can recompute alone: the other run's cores recompute, exact, with a warning naming the
+    blocks left as they are; a model where no block has one still raises."""
+    model = two_towers(OwnBlock, InlineBlock)
+    with pytest.warns(UserWarning, match=r"found 4 units, and 'inlineblock_2', 'inlineblock_3' hold no attention "
+                                         r"layer.*\(SelfAttention computes its core inside `call`\): the other 2 "
+                                         r"recompute their cores.*policy='full'"):
+        recompute_model(model, policy="attention_core")
+    with counted((OwnBlock, "call"), (OwnAttention, "_compute_attention")) as counts:
+        compare_on_and_off(model, [X], MODES[-1], train_call)
+    if BACKEND == "jax":  # traced once: the step's program has two more softmaxes, and no more gelu
+        programs = {}
+        for on in (False, True):
+            with recompute_scope(on):
+                programs[on] = step_program(model, [X], train_call)
+        extra = {op: len(re.findall(rf"= {op}\b", programs[True])) - len(re.findall(rf"= {op}\b", programs[False]))
+                 for op in ("exp", "erf")}
+        assert extra == {"exp": 2, "erf": 0}
+    else:
+        assert counts == {"OwnBlock.call": 4, "OwnAttention._compute_attention": 6}  # off, then on: cores twice
+    with pytest.raises(ValueError, match=r"'inlineblock_0', 'inlineblock_1', 'inlineblock_2', 'inlineblock_3' "
+                                         r"contain none.*SelfAttention"):
+        recompute_model(two_towers(InlineBlock, InlineBlock), policy="attention_core")
 
 
 @pytest.mark.parametrize("bad", ["selective", "FULL", None, 3])
