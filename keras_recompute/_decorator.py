@@ -124,7 +124,7 @@ def recompute_grad(fn=None, *, enabled=None, check=True, policy="full", offload=
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         on = _config.is_enabled() if enabled is None else enabled
-        if not on:
+        if not on or _saving_a_model():
             return fn(*args, **kwargs)
         for key in dropped:
             kwargs.pop(key, None)
@@ -148,6 +148,24 @@ def recompute_grad(fn=None, *, enabled=None, check=True, policy="full", offload=
     if "tensorflow" in sys.modules:  # NOTE [ AutoGraph before TensorFlow 2.4 ] in `_tf_private`
         importlib.import_module("keras_recompute.backends._tf_private").leave_to_autograph(wrapper)
     return wrapper
+
+
+# NOTE [ saving a model ]
+# While TensorFlow traces a model's functions to save them (`tf.saved_model.save`,
+# Keras 3's `model.export`, tf_keras's SavedModel `save`), a decorated call runs as
+# the plain call: the saved functions are the plain model's, for serving, and
+# hold none of the recompute's machinery. A restored function differentiated
+# after loading gives the plain gradient. Found 2026-11-30: with recompute on,
+# `tf.saved_model.save` of a Keras 3 model with a `Dropout` in a recomputed
+# block failed ("Tried to export a function which references an 'untracked'
+# resource"): the recompute reads the call's seed states before the forward
+# (to replay them), also in the serving function's `training=False` trace,
+# where the plain call reads none, and Keras 3's seed generators are not in the
+# object graph TensorFlow saves. tf_keras saved, with AutoGraph warnings.
+def _saving_a_model():
+    """Whether TensorFlow is tracing functions to save them (NOTE [ saving a model ])."""
+    module = sys.modules.get("tensorflow.python.saved_model.save_context")
+    return module is not None and module.in_save_context()
 
 
 # Set on every function `recompute_grad` returns; `_OPTIONS`: its `(enabled, policy, offload)`.
@@ -231,7 +249,11 @@ def _dispatch(context, args, kwargs):
             f"{', '.join(sorted(_PATHS))}: set KERAS_BACKEND to one of them, or "
             "turn recompute off."
         )
-    return importlib.import_module(_PATHS[backend]).recompute_call
+    # `__import__`, a builtin: tf_keras converts a layer's `call` with AutoGraph, and with it this code, and
+    # AutoGraph, converting `importlib.import_module`, warned once a process that it could not transform
+    # `_gcd_import` (importlib's frozen source).
+    __import__(_PATHS[backend])
+    return sys.modules[_PATHS[backend]].recompute_call
 
 
 def _backend_of(owner, args, kwargs):

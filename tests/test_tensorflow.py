@@ -313,3 +313,74 @@ def test_the_cpus_allocator_counts_only_under_bfc(monkeypatch):
     monkeypatch.delenv("TF_CPU_ALLOCATOR_USE_BFC", raising=False)
     assert path.allocator_peak(reset=True) is None and path.allocator_peak() is None
     assert path._bytes_in_use() is None
+
+
+def test_a_model_saved_with_recompute_on_saves_the_plain_calls(K, tmp_path, monkeypatch):
+    """NOTE [ saving a model ]: `tf.saved_model.save` with recompute on (a block with dropout, trained a step first)
+    traces the plain calls: Keras 3's failed ("references an 'untracked' resource", its dropout's seed state, which
+    the recompute reads before a forward), tf_keras's saved our machinery. The loaded model serves the same outputs,
+    and recompute is on again after it: a training step still recomputes."""
+    from keras_recompute.backends import tensorflow as path
+
+    class Block(K.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.up = K.layers.Dense(16, activation="gelu")
+            self.dropout = K.layers.Dropout(0.2, seed=3)
+            self.down = K.layers.Dense(8)
+
+        @recompute_grad
+        def call(self, inputs, training=None):
+            return inputs + self.down(self.dropout(self.up(inputs), training=training))
+
+    calls = []
+    recompute_call = path.recompute_call
+    monkeypatch.setattr(path, "recompute_call", lambda *args, **kwargs: calls.append(1) or recompute_call(*args, **kwargs))
+    inputs = K.Input((8,))
+    model = K.Model(inputs, K.layers.Dense(1)(Block()(Block()(inputs))))
+    x = np.random.RandomState(0).normal(size=(4, 8)).astype("float32")
+    with recompute_scope(True):
+        model.compile(optimizer="sgd", loss="mse")
+        model.train_on_batch(x, x[:, :1])
+        assert calls, "the training step did not recompute"
+        calls.clear()
+        tf.saved_model.save(model, str(tmp_path / "saved"))
+        assert calls == [], "the saved functions hold the recompute"
+        with tf.GradientTape() as tape:  # the compiled step was traced before: an eager step calls anew
+            loss = tf.reduce_sum(model(x, training=True))
+        assert calls and all(g is not None for g in tape.gradient(loss, model.trainable_weights)), "off after saving"
+    serve = tf.saved_model.load(str(tmp_path / "saved")).signatures["serving_default"]
+    (served,) = serve(tf.constant(x)).values()
+    np.testing.assert_allclose(served.numpy(), model(x, training=False).numpy(), rtol=1e-6, atol=1e-6)
+
+
+def test_tf_keras_fit_with_recompute_converts_nothing_autograph_warns_of(tmp_path):
+    """tf_keras converts a layer's `call` with AutoGraph, our wrapper with it: its first call imported the backend's
+    path with `importlib.import_module`, and AutoGraph warned that it "could not transform <function _gcd_import>"
+    (importlib's frozen source), once a process: a fresh one."""
+    import _fresh
+
+    script = """
+import numpy as np, tf_keras as K
+from keras_recompute import recompute_grad, recompute_scope
+
+class Block(K.layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = K.layers.Dense(8)
+
+    @recompute_grad
+    def call(self, inputs):
+        return inputs + self.dense(inputs)
+
+inputs = K.Input((8,))
+model = K.Model(inputs, Block()(inputs))
+model.compile(optimizer="sgd", loss="mse")
+with recompute_scope(True):
+    model.fit(np.ones((4, 8), "float32"), np.ones((4, 8), "float32"), verbose=0)
+print("trained")
+"""
+    (tmp_path / "fit.py").write_text(script)  # a file: AutoGraph reads the Block's source
+    done = _fresh.run([str(tmp_path / "fit.py")])
+    assert done.returncode == 0 and "trained" in done.stdout, done.stderr[-2000:]
+    assert "AutoGraph could not transform" not in done.stderr, done.stderr[-2000:]
