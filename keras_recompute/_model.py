@@ -1156,10 +1156,11 @@ def _feeds(parent, framework):
 def _auto_units_with_cores(units):
     """Of the units "auto" chose, those that hold an attention layer we know; warns of the others (NOTE [ "auto"
     under attention_core ]). All of them when none holds one: `_check_attention` then raises."""
-    kept = [unit for unit in units if _policy.attention_layers(unit)]
-    if not kept or len(kept) == len(units):
+    held = [bool(_policy.attention_layers(unit)) for unit in units]
+    if all(held) or not any(held):
         return units
-    left = [unit for unit in units if not _policy.attention_layers(unit)]
+    kept = [unit for unit, has in zip(units, held) if has]
+    left = [unit for unit, has in zip(units, held) if not has]
     inline = _policy.inline_attention(left)
     warnings.warn(
         f"keras_recompute: recompute_model(policy='attention_core'): 'auto' found {len(units)} units, and "

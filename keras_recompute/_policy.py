@@ -159,15 +159,13 @@ def no_attention_message(names, layers=(), others=()):
         if others else ""
     )
     return (
-        f"keras_recompute: policy='attention_core' recomputes the core of the attention layers inside a "
-        f"unit, and {', '.join(repr(n) for n in names)} {'contain' if len(names) > 1 else 'contains'} none that "
-        "keras_recompute knows: a layer "
-        "with a `_compute_attention` method (Keras's MultiHeadAttention and its subclasses, most of keras-hub's "
-        f"attention layers) or bert4keras's `pay_attention_to`.{held} Use policy='full' or 'save_dots' for "
-        f"these units, or budget=, whose plan gives each unit a policy it can take;{only} or, in an attention layer "
-        "of "
-        "your own, compute its core (scores, softmax, dropout, weighted sum) in a method named "
-        "`_compute_attention`."
+        "keras_recompute: policy='attention_core' recomputes the core of the attention layers inside a unit, and "
+        f"{', '.join(repr(n) for n in names)} {'contain' if len(names) > 1 else 'contains'} none that "
+        "keras_recompute knows: a layer with a `_compute_attention` method (Keras's MultiHeadAttention and its "
+        f"subclasses, most of keras-hub's attention layers) or bert4keras's `pay_attention_to`.{held} Use "
+        "policy='full' or 'save_dots' for these units, or budget=, whose plan gives each unit a policy it can "
+        f"take;{only} or, in an attention layer of your own, compute its core (scores, softmax, dropout, weighted "
+        "sum) in a method named `_compute_attention`."
     )
 
 
