@@ -128,13 +128,14 @@ _UNITS = {
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_budget(budget):
+def parse_budget(budget, where="recompute_model"):
     """Reads a budget: `("bytes", n)` for a size, `("fraction", f)` for a float in (0, 1].
 
     Args:
         budget: an int (bytes), a string with a unit (`"512MB"`, `"12GiB"`;
             MB and GB are powers of 10, MiB and GiB powers of 2), or a float
             in (0, 1], a fraction of the plain model's activation memory.
+        where: the function the budget was passed to, as errors name it.
 
     Raises:
         ValueError: if `budget` is none of these, or not positive.
@@ -144,15 +145,15 @@ def parse_budget(budget):
         "the fraction of the plain model's activation memory to keep."
     )
     if isinstance(budget, bool):
-        raise ValueError(f"keras_recompute: recompute_model(budget=...) got {budget!r}. {hint}")
+        raise ValueError(f"keras_recompute: {where}(budget=...) got {budget!r}. {hint}")
     if isinstance(budget, int):
         if budget <= 0:
-            raise ValueError(f"keras_recompute: recompute_model(budget=...) got {budget!r} bytes. {hint}")
+            raise ValueError(f"keras_recompute: {where}(budget=...) got {budget!r} bytes. {hint}")
         return "bytes", budget
     if isinstance(budget, float):
         if not (0.0 < budget <= 1.0) or math.isnan(budget):
             raise ValueError(
-                f"keras_recompute: recompute_model(budget=...) got the float {budget!r}; a float is a fraction "
+                f"keras_recompute: {where}(budget=...) got the float {budget!r}; a float is a fraction "
                 f"and must lie in (0, 1]. {hint}"
             )
         return "fraction", budget
@@ -164,11 +165,11 @@ def parse_budget(budget):
             if size >= 1:
                 return "bytes", int(size)
         raise ValueError(
-            f"keras_recompute: recompute_model(budget=...) could not read {budget!r} as a size. {hint} "
+            f"keras_recompute: {where}(budget=...) could not read {budget!r} as a size. {hint} "
             f"Units: {', '.join(_UNITS)} (any case)."
         )
     raise ValueError(
-        f"keras_recompute: recompute_model(budget=...) got {budget!r} of type {type(budget).__name__}. {hint}"
+        f"keras_recompute: {where}(budget=...) got {budget!r} of type {type(budget).__name__}. {hint}"
     )
 
 

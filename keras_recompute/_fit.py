@@ -540,6 +540,12 @@ def default_options():
 
 def checked_inputs(make_inputs, sizes, axis, flatten):
     """`[make_inputs(size) for size in sizes]`, each checked to have `size` along `axis` in some input."""
+    if not callable(make_inputs):
+        raise TypeError(
+            "keras_recompute: largest_fit(model, budget, make_inputs) takes make_inputs, a function of a size that "
+            f"returns a batch of that size as the model takes it (lambda n: x[:n]); received {make_inputs!r} of "
+            f"type {type(make_inputs).__name__}."
+        )
     index = AXES[axis]
     batches, shapes = [], []
     for size in sizes:
@@ -573,7 +579,7 @@ def checked_inputs(make_inputs, sizes, axis, flatten):
 def check_arguments(axis, sizes, budget, multiple_of, headroom=0.0):
     if axis not in AXES:
         raise ValueError(f"keras_recompute: largest_fit(axis=...) takes one of {list(AXES)}; received {axis!r}.")
-    kind, value = _budget.parse_budget(budget)
+    kind, value = _budget.parse_budget(budget, "largest_fit")
     if kind != "bytes":
         raise ValueError(
             f"keras_recompute: largest_fit(budget=...) takes a size (bytes, or '8GiB'); received {budget!r}, a "

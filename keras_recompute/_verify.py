@@ -60,7 +60,7 @@ import time
 
 import numpy as np
 
-from keras_recompute import _budget, _context, _memory, _model
+from keras_recompute import _budget, _context, _memory, _model, _policy
 
 _REASSOCIATION = 1e-5  # of the largest update: what reordering float sums moves (tests/_compare.py)
 
@@ -176,6 +176,7 @@ def verify(
     ```
     """
     keras_module = _check(model, trials, plain_trials, seed)
+    _policy.check(policy, "verify")
     state = [np.array(v) for v in _state_variables(model, keras_module)]
     with _Restored(model, keras_module, state), _random_as_op_by_op(model, keras_module):
         _model.unrecompute_model(model)
@@ -211,6 +212,11 @@ def verify(
         recomputed_run = _Runs(_compiled_with_sgd(model, keras_module), keras_module, state, x, y, seed)
         if error is not None:
             error = f"the plain step raised, so the model is wrong without recompute too: {error}"
+            if y is None:
+                error += (
+                    ". verify was given no y: a model compiled with a loss that takes targets needs them, "
+                    "verify(model, x, y)"
+                )
             updates = []
         else:
             error, updates = recomputed_run.updates(trials, initial)
@@ -338,10 +344,11 @@ class VerifyReport:
 
     def __str__(self):
         header = ["unit", "worst weight", "difference", "plain spread", "verdict"]
+        ran = self.trials > 0  # no recomputed step was compared where a step raised
         lines = [header] + [
             [
-                row["unit"], row["weight"], f"{row['difference']:.2e}", f"{row['spread']:.2e}",
-                _verdict(row, self.cannot_tell),
+                row["unit"], row["weight"], f"{row['difference']:.2e}" if ran else "-",
+                f"{row['spread']:.2e}" if ran else "-", _verdict(row, self.cannot_tell) if ran else "not compared",
             ]
             for row in self.rows
         ]
@@ -363,11 +370,13 @@ class VerifyReport:
                 f"({self.op_by_op['difference']:.2e}): the compiler makes the recomputed step another program, "
                 "whose float rounding this model amplifies"
             )
-        ratio = self.recomputed_seconds / self.plain_seconds if self.plain_seconds else float("nan")
-        text.append(
-            f"step time: plain {self.plain_seconds * 1e3:.1f} ms, recomputed {self.recomputed_seconds * 1e3:.1f} ms "
-            f"({ratio:.2f}x)"
-        )
+        if self.plain_seconds and self.recomputed_seconds:
+            text.append(
+                f"step time: plain {self.plain_seconds * 1e3:.1f} ms, recomputed {self.recomputed_seconds * 1e3:.1f} "
+                f"ms ({self.recomputed_seconds / self.plain_seconds:.2f}x)"
+            )
+        else:
+            text.append("step time: not measured (a step raised)")
         if self.plain_peak is not None and self.recomputed_peak is not None:
             if self.recomputed_peak < self.plain_peak:
                 saved = f"{self.plain_peak / max(self.recomputed_peak, 1):.2f}x lower"

@@ -452,6 +452,14 @@ def test_the_budget_below_any_plan_says_how_low_it_is(monkeypatch):
         largest_fit(sequence_model(), "1MB", make_batch, options=["none", "full"])
 
 
+def test_bad_arguments_name_largest_fit():
+    model = blocks_model(2)
+    with pytest.raises(ValueError, match=r"largest_fit\(budget=...\) could not read 'huge'"):
+        largest_fit(model, "huge", make_batch)
+    with pytest.raises(TypeError, match=r"takes make_inputs, a function of a size.*received None"):
+        largest_fit(model, "1GB", None)
+
+
 def test_inputs_without_a_sequence_axis_are_refused():
     model = blocks_model(2)
     with pytest.raises(ValueError, match="no sequence axis"):

@@ -215,8 +215,19 @@ def test_bad_arguments_say_what_to_do():
         verify(model, X, Y, trials=2.5)
     with pytest.raises(TypeError, match="compiled Keras 3 or tf_keras model"):
         verify(object(), X, Y)
-    with pytest.raises(ValueError, match="policies"):
+    with pytest.raises(ValueError, match=r"verify\(policy=...\) got 'some'; valid policies"):
         verify(model, X, Y, policy="some")
+
+
+def test_a_step_that_raises_compares_nothing_and_says_so():
+    """verify(model, x) of a model whose loss takes targets: the plain step raises. The report says so, names the
+    missing y, and its table and times show nothing compared (its table read DIFFERS at a difference of 0, its time
+    'nanx')."""
+    report = verify(compiled(attention_model(keras)), X, trials=2, memory=False)
+    assert not report.ok and report.trials == 0
+    assert "the plain step raised" in report.failure and "verify was given no y" in report.failure, report.failure
+    text = str(report)
+    assert "not compared" in text and "DIFFERS" not in text and "step time: not measured (a step raised)" in text, text
 
 
 def test_a_keras_hub_backbone_with_lora_passes():
