@@ -149,6 +149,13 @@ def recompute_model(
         count = _segment_count(model, framework, segments) if segments is not None else None
         pieces = _Pieces.of(model, framework, count)
         units = pieces.units
+        if count is not None and len(units) < count:
+            warnings.warn(
+                f"keras_recompute: recompute_model(segments={segments!r}) cut {model.name!r} into {len(units)} "
+                f"pieces, not {count}: a piece ends at a tensor that every path from the model's inputs to its "
+                "outputs goes through, and its graph has no more such tensors to cut at.",
+                stacklevel=2,
+            )
     chosen = tuple(units)  # the units a report of this plan is over (NOTE [ the units of a planned model ])
     if budget is None:
         if policy == _policy.ATTENTION_CORE and segments is None and isinstance(blocks, str) and blocks == "auto":

@@ -14,6 +14,8 @@ import functools
 import json
 import os
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -230,6 +232,18 @@ def test_segments_cut_the_graph(segments):
     compare_on_and_off(model, [X], FAST_MODE, train_call, steps=2)
     every = [f"dense_{i}" for i in range(4)] + ["head"]
     assert_recomputes(dense_chain, lambda m: recompute_model(m, segments=segments), every, [], counted=(layers.Dense,), gelus=4)
+
+
+def test_more_segments_than_the_graph_has_cuts_warns_and_cuts_at_each():
+    model = dense_chain()
+    with pytest.warns(UserWarning, match=r"segments=99\) cut 'functional.*' into (\d+) pieces, not 99"):
+        recompute_model(model, segments=99)
+    cut = len(_model.recomputed_units(model))
+    assert 3 < cut < 99
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="keras_recompute")  # as many as it has: no warning
+        recompute_model(model, segments=cut)
+    assert len(_model.recomputed_units(model)) == cut
 
 
 def test_segments_under_mixed_precision():
