@@ -384,3 +384,79 @@ print("trained")
     done = _fresh.run([str(tmp_path / "fit.py")])
     assert done.returncode == 0 and "trained" in done.stdout, done.stderr[-2000:]
     assert "AutoGraph could not transform" not in done.stderr, done.stderr[-2000:]
+
+
+def loop_cell_class(K, counter, dropout):
+    """An RNN cell: a trained Dense on the input and state, a frozen Dense on the input, and dropout."""
+
+    class Cell(K.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.state_size = 8
+            self.dense = K.layers.Dense(8, activation="tanh")
+            self.frozen = K.layers.Dense(8)
+            self.frozen.trainable = False
+            self.dropout = K.layers.Dropout(0.2, seed=1)
+
+        def build(self, input_shape):
+            self.dense.build((input_shape[0], 16))
+            self.frozen.build((input_shape[0], 8))
+
+        def call(self, inputs, states, training=None):
+            counter.append(training)
+            hidden = self.dense(tf.concat([inputs, states[0]], -1)) + self.frozen(inputs)
+            hidden = self.dropout(hidden, training=training) if dropout else hidden
+            return hidden, [hidden]
+
+    return Cell
+
+
+@pytest.mark.parametrize("where", ["loop", "branch"])
+@pytest.mark.parametrize("mode", ["function", "jit"])
+def test_a_recompute_inside_a_loop_or_a_branch(K, mode, where):
+    """NOTE [ a recompute inside a loop or a branch ]: a decorated RNN cell runs in a `tf.while_loop` body, a
+    decorated block in a `tf.cond` branch; their backward runs in the control flow's gradient graph, where reading
+    a weight through its eager handle failed ('internal_captures', 'Tensor.graph is undefined'). The gradients of
+    the inputs and of every trained weight are the plain twin's; the frozen weight gets none; the call ran again."""
+    counter = []
+    xs = tf.random.stateless_normal((4, 5, 8), seed=[1, 2])
+    dropout = not (K.__name__ == "tf_keras" and mode == "jit")  # tf_keras's own draws differ run to run under XLA
+    if where == "loop":
+        Cell = loop_cell_class(K, counter, dropout)
+
+        def build(cls):
+            K.utils.set_random_seed(0)
+            layer = K.layers.RNN(cls(), return_sequences=True)
+            layer(xs)
+            return layer
+
+        run = lambda layer: layer(xs, training=True)  # noqa: E731
+    else:
+        Cell = block_class(K, counter)
+
+        def build(cls):
+            K.utils.set_random_seed(0)
+            layer = cls()
+            layer(xs)
+            return layer
+
+        run = lambda layer: tf.cond(tf.reduce_sum(xs) > -1e9, lambda: layer(xs), lambda: xs)  # noqa: E731
+    plain, recomputed = build(Cell), build(recomputed_class(Cell))
+    recomputed.set_weights(plain.get_weights())
+
+    def step(layer):
+        with tf.GradientTape() as tape:
+            tape.watch(xs)
+            outputs = run(layer)
+            loss = tf.reduce_sum(outputs * tf.cos(outputs))
+        return tape.gradient(loss, [xs] + layer.trainable_weights)
+
+    results = {}
+    for on, layer in ((False, plain), (True, recomputed)):
+        counter.clear()
+        K.utils.set_random_seed(3)
+        with recompute_scope(on):
+            results[on] = compile_mode(step, mode)(layer), len(counter)
+    assert len(results[True][0]) == len(plain.trainable_weights) + 1 == (3 if where == "loop" else 7)
+    assert_close(results[True][0], results[False][0], what="gradients")
+    assert results[True][1] > results[False][1] > 0, "the call did not run again"

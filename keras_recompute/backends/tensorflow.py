@@ -276,7 +276,9 @@ class _ForwardReads:
     the recompute's tape, which watches the trained variables, takes their
     gradients through it, as does an outer tape (a gradient penalty). A read
     in a nested graph (a `tf.cond` branch, a loop body, a nested
-    `tf.function`), whose tensors cannot leave it, reads the variable. In
+    `tf.function`), whose tensors cannot leave it, reads the variable; where
+    the whole call runs in a loop body or a branch, through the handle its
+    forward read it through (NOTE [ a recompute inside a loop or a branch ]). In
     eager mode ops run in the order they are called, the optimizer's write
     after the whole gradient, and eager ops read variables through a C++
     path that no hook sees: there the recompute reads the variables as
@@ -293,6 +295,7 @@ class _ForwardReads:
         self._graph = None
         self._reads = {}  # id(variable) -> the forward's reads of it, in order
         self._variables = {}  # id(variable) -> the variable
+        self._handles = {}  # id(variable) -> its handle in a control-flow graph the forward ran in
         self._positions = {}
         self._deciding = False
 
@@ -300,6 +303,7 @@ class _ForwardReads:
     def recording(self):
         self._reads.clear()
         self._variables.clear()
+        self._handles.clear()
         self._graph = tf.compat.v1.get_default_graph()
         with contextlib.nullcontext() if tf.executing_eagerly() else variable_reads(self._record):
             yield
@@ -307,13 +311,16 @@ class _ForwardReads:
     @contextlib.contextmanager
     def replaying(self):
         self._positions.clear()
-        with variable_reads(self._replay) if self._reads else contextlib.nullcontext():
+        with variable_reads(self._replay) if self._reads or self._handles else contextlib.nullcontext():
             yield
 
     def _record(self, variable, read):
         value = read()
         if self._deciding or tf.compat.v1.get_default_graph() is not self._graph:
             return value
+        if _is_control_flow_graph(self._graph) and getattr(value, "op", None) is not None:
+            if value.op.type == "ReadVariableOp":  # NOTE [ a recompute inside a loop or a branch ]
+                self._handles.setdefault(id(variable), value.op.inputs[0])
         self._deciding = True  # deciding may read a variable itself (a distributed one's attributes)
         try:
             trains = self._trains(variable)
@@ -330,11 +337,49 @@ class _ForwardReads:
 
     def _replay(self, variable, read):
         reads = self._reads.get(id(variable))
-        if not reads or tf.compat.v1.get_default_graph() is not self._graph:
+        if tf.compat.v1.get_default_graph() is not self._graph:
+            handle = self._handles.get(id(variable))
+            if handle is None:
+                return read()
+            # The forward ran in a loop's body or a branch, its backward in that control flow's gradient graph
+            # (NOTE [ a recompute inside a loop or a branch ]).
+            from tensorflow.python.ops import gen_resource_variable_ops
+
+            return gen_resource_variable_ops.read_variable_op(handle, variable.dtype)
+        if not reads:
             return read()
         position = self._positions.get(id(variable), 0)
         self._positions[id(variable)] = position + 1
         return reads[min(position, len(reads) - 1)]
+
+
+# NOTE [ a recompute inside a loop or a branch ]
+# A recomputed call can run inside a `tf.while_loop` body (a Keras RNN layer's
+# cell, in a `tf.function`) or a `tf.cond` branch. Its backward then runs in
+# that control flow's gradient graph, another graph than its forward's, and
+# TensorFlow builds such a gradient graph only from tensors of the forward's
+# graph or of the graph around it. A read of a variable there through its
+# handle captured the eager handle itself, which the loop's gradient refused
+# ("is in list of internal_captures but not in internal_capture_to_output")
+# and the branch's too ("Tensor.graph is undefined when eager execution is
+# enabled"); `tf.recompute_grad` fails the same way. So where the forward runs
+# in a control-flow graph, `_ForwardReads` records the handle each variable
+# was read through there (the body's or branch's placeholder for it), and the
+# recompute reads the variable through that handle: a loop invariant, which
+# the loop's gradient takes as it is (not stacked per iteration, as a read's
+# value would be), and which the branch's gradient maps to the handle outside.
+# The read sits inside the gradient's `While` or `If` op, which every
+# gradient it computes leaves, so no optimizer's write of that variable can
+# come before it. Found 2026-11-30 (a decorated RNN cell in `fit`).
+def _is_control_flow_graph(graph):
+    """Whether `graph` is a `tf.while_loop` body or condition, or a `tf.cond` branch (control flow v2)."""
+    try:
+        from tensorflow.python.ops import control_flow_v2_func_graphs as graphs
+    except ImportError:  # pragma: no cover - TensorFlow 1.x
+        return False
+    kinds = tuple(getattr(graphs, name) for name in ("CondBranchFuncGraph", "WhileBodyFuncGraph", "WhileCondFuncGraph")
+                  if hasattr(graphs, name))
+    return isinstance(graph, kinds)
 
 
 class _KeptDots:
