@@ -12,7 +12,10 @@ import numpy as np
 import pytest
 from keras import layers, ops
 
-from _keras3_twins import BACKEND, MODES, assert_close, assert_recomputes, assert_trained_alike, build_twins, compare_with_twin, loss_and_gradients
+from _keras3_twins import (
+    BACKEND, MODES, assert_close, assert_recomputes, assert_trained_alike, build_twins, compare_on_and_off, compare_with_twin,
+    loss_and_gradients,
+)
 from _updates import assert_loss_scaled_alike, loss_scaled_steps
 from keras_recompute import recompute_grad, recompute_model, recompute_scope
 
@@ -257,6 +260,43 @@ class Recurrent(layers.Layer):
 def test_recurrent_layers_with_dropout(mode):
     _, recomputed, _ = compare_with_twin(Recurrent, [normal(4, 6, 8)], mode, steps=2)
     assert_recomputes(recomputed, [normal(4, 6, 8)])
+
+
+class RecomputedCell(layers.Layer):
+    """An RNN cell whose own call recomputes, once per time step inside the RNN's loop (`tf.while_loop`,
+    `lax.scan`, a Python loop): a trained Dense on the input and state, a frozen one on the input, and dropout
+    (not on JAX, where a Keras `Dropout` inside a cell fails Keras's own `RNN`, recompute off too)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.state_size = 8
+        self.dense = layers.Dense(8, activation="tanh")
+        self.frozen = layers.Dense(8, trainable=False)
+        self.dropout = layers.Dropout(0.2 if BACKEND != "jax" else 0.0, seed=1)
+
+    def build(self, input_shape):
+        self.dense.build((input_shape[0], 16))
+        self.frozen.build((input_shape[0], 8))
+
+    @recompute_grad
+    def call(self, inputs, states, training=None):
+        hidden = self.dense(ops.concatenate([inputs, states[0]], -1)) + self.frozen(inputs)
+        hidden = self.dropout(hidden, training=training)
+        return hidden, [hidden]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_recomputed_rnn_cell_matches_the_plain_one(mode):
+    """NOTE [ a recompute inside a loop or a branch ] in `backends/tensorflow.py`: on TensorFlow its gradient failed
+    to build; on every backend now the cell's weights and the inputs get the plain cell's gradients."""
+    keras.utils.set_random_seed(0)
+    rnn = layers.RNN(RecomputedCell(), return_sequences=True)
+    xs = normal(4, 5, 8)
+    with recompute_scope(False):
+        rnn(xs)
+    call = lambda layer, inputs: layer(inputs[0], training=True)  # noqa: E731
+    compare_on_and_off(rnn, [xs], mode, call, steps=2)
+    assert_recomputes(rnn, [xs], call)
 
 
 def test_add_loss_inside_is_kept():
