@@ -304,6 +304,27 @@ def test_a_recomputed_rnn_cell_matches_the_plain_one(mode, policy):
     assert_recomputes(rnn, [xs], call)
 
 
+class RecomputedLSTMCell(layers.LSTMCell):
+    call = recompute_grad(layers.LSTMCell.call)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_recomputed_keras_cell_reuses_the_forwards_cached_masks(mode):
+    """NOTE [ an RNN cell's cached masks ] in `backends/_keras3.py`: Keras's LSTMCell with `dropout` and
+    `recurrent_dropout` keeps the masks it draws before the RNN's loop in attributes, which the RNN clears after
+    it; the recompute, in the backward, drew new ones (the recompute check raised on PyTorch and TensorFlow)."""
+    keras.utils.set_random_seed(0)
+    cell = RecomputedLSTMCell(8, dropout=0.3, recurrent_dropout=0.3, seed=3)
+    rnn = layers.RNN(cell, return_sequences=True)
+    xs = normal(4, 5, 8)
+    with recompute_scope(False):
+        rnn(xs)
+    call = lambda layer, inputs: layer(inputs[0], training=True)  # noqa: E731
+    compare_on_and_off(rnn, [xs], mode, call, steps=2)
+    assert_recomputes(rnn, [xs], call)
+    assert cell.__dict__.get("_dropout_mask") is None and cell.__dict__.get("_recurrent_dropout_mask") is None
+
+
 def test_add_loss_inside_is_kept():
     x = normal(4, 16)
     plain, recomputed = build_twins(Regularized, [x])

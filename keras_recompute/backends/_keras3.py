@@ -54,17 +54,71 @@ def backend_name():
 class CallState:
     """What the recompute of one call needs to see the forward's state."""
 
-    def __init__(self, snapshot, autocast_scope, call_context=None):
+    def __init__(self, snapshot, autocast_scope, call_context=None, attributes=()):
         self.snapshot = snapshot
         self.autocast_scope = autocast_scope
         # The forward's call context: sub-layers called without `training`
         # read it from there, so the recompute must see the same one.
         self.call_context = call_context
+        # `[(layer, name, value)]`: Python attributes the call reads as state (NOTE [ an RNN cell's cached masks ]).
+        self.attributes = list(attributes)
 
     def map_values(self, fn):
         """The same state with `fn` applied to each snapshot value."""
         snapshot = [(variable, fn(value)) for variable, value in self.snapshot]
-        return CallState(snapshot, self.autocast_scope, self.call_context)
+        return CallState(snapshot, self.autocast_scope, self.call_context, self.attributes)
+
+
+# NOTE [ an RNN cell's cached masks ]
+# Keras's RNN cells with `dropout=` or `recurrent_dropout=` (`DropoutRNNCell`:
+# LSTMCell, GRUCell, SimpleRNNCell) draw their masks once a batch, before the
+# RNN's loop, and keep them in Python attributes that every step's call reads;
+# the RNN clears them after the loop. A recomputed cell (a subclass whose call
+# is decorated) recomputes after that, in the backward, found no mask and drew
+# new ones: the recompute check raised (PyTorch, TensorFlow; JAX traces the
+# call once). The forward's masks are kept with the call's state and put back
+# on the cell for its recompute, then taken off again.
+_CELL_MASKS = ("_dropout_mask", "_recurrent_dropout_mask")
+_ABSENT = object()
+
+
+def _cell_masks(owner):
+    """`[(cell, name, value)]`: the cached dropout masks of the Keras RNN cells under `owner`, as they are now."""
+    try:
+        from keras.src.layers.rnn.dropout_rnn_cell import DropoutRNNCell
+    except ImportError:  # pragma: no cover - another Keras 3 layout
+        return []
+    return [
+        (layer, name, layer.__dict__.get(name, _ABSENT))
+        for layer in owner._flatten_layers(include_self=True)
+        if isinstance(layer, DropoutRNNCell)
+        for name in _CELL_MASKS
+    ]
+
+
+class _Attributes:
+    """Within it, each `(layer, name, value)` is set as given (`_ABSENT`: not set); after it, as it was."""
+
+    def __init__(self, attributes):
+        self._attributes = attributes
+        self._before = []
+
+    def __enter__(self):
+        self._before = [(layer, name, layer.__dict__.get(name, _ABSENT)) for layer, name, _ in self._attributes]
+        self._set(self._attributes)
+        return self
+
+    def __exit__(self, *exc_info):
+        self._set(self._before)
+        return False
+
+    @staticmethod
+    def _set(attributes):
+        for layer, name, value in attributes:
+            if value is _ABSENT:
+                layer.__dict__.pop(name, None)
+            else:
+                object.__setattr__(layer, name, value)
 
 
 def get_mask(tensor):
@@ -148,7 +202,8 @@ def capture(owner, to_tensor, wait=None):
             if id(variable) not in seen:
                 seen.add(id(variable))
                 snapshot.append((variable, to_tensor(variable.value)))
-    return CallState(snapshot, autocast_scope, global_state.get_global_attribute("current_call_ctx"))
+    attributes = _cell_masks(owner) if is_layer(owner) else []
+    return CallState(snapshot, autocast_scope, global_state.get_global_attribute("current_call_ctx"), attributes)
 
 
 def loss_lists(owner):
@@ -177,6 +232,7 @@ class replay:
                 stateless,
                 _SetAutocast(self._state.autocast_scope),
                 _CallContext(self._owner, self._state.call_context),
+                _Attributes(self._state.attributes),
             )
             for scope in self._scopes:
                 scope.__enter__()
