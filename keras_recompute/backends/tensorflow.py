@@ -296,6 +296,7 @@ class _ForwardReads:
         self._reads = {}  # id(variable) -> the forward's reads of it, in order
         self._variables = {}  # id(variable) -> the variable
         self._handles = {}  # id(variable) -> its handle in a control-flow graph the forward ran in
+        self._in_control_flow = False  # whether the forward runs in one
         self._positions = {}
         self._deciding = False
 
@@ -305,6 +306,7 @@ class _ForwardReads:
         self._variables.clear()
         self._handles.clear()
         self._graph = tf.compat.v1.get_default_graph()
+        self._in_control_flow = not tf.executing_eagerly() and _is_control_flow_graph(self._graph)
         with contextlib.nullcontext() if tf.executing_eagerly() else variable_reads(self._record):
             yield
 
@@ -318,9 +320,8 @@ class _ForwardReads:
         value = read()
         if self._deciding or tf.compat.v1.get_default_graph() is not self._graph:
             return value
-        if _is_control_flow_graph(self._graph) and getattr(value, "op", None) is not None:
-            if value.op.type == "ReadVariableOp":  # NOTE [ a recompute inside a loop or a branch ]
-                self._handles.setdefault(id(variable), value.op.inputs[0])
+        if self._in_control_flow and getattr(value, "op", None) is not None and value.op.type == "ReadVariableOp":
+            self._handles.setdefault(id(variable), value.op.inputs[0])  # NOTE [ a recompute inside a loop or a branch ]
         self._deciding = True  # deciding may read a variable itself (a distributed one's attributes)
         try:
             trains = self._trains(variable)
