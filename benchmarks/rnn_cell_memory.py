@@ -20,7 +20,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _record  # noqa: E402
+import _measure  # noqa: E402
 
 CHILD = r"""
 import json, statistics, sys, time
@@ -88,10 +88,7 @@ def main(argv=None):
     results["lower_than_plain"] = results["plain"]["peak"] / results["recomputed"]["peak"]
     results["time_vs_plain"] = results["recomputed"]["step_s"] / results["plain"]["step_s"]
     print(f"recomputed: {results['lower_than_plain']:.2f}x lower peak, {results['time_vs_plain']:.2f}x the time")
-    if args.out:
-        record = dict(_record.metadata(), backend="tensorflow", arguments=vars(args), results=results)
-        with open(args.out, "w") as f:
-            f.write(json.dumps(record, indent=2) + "\n")
+    _measure.write_json(args.out, vars(args), results)
 
 
 if __name__ == "__main__":
