@@ -188,6 +188,65 @@ def test_auto_pieces_recompute_their_layers_once_more():
     assert_recomputes(dense_chain, apply, [f"dense_{i}" for i in range(4)], ["head"], counted=(layers.Dense,))
 
 
+def residual_stages(nested=False):
+    """A ResNet in Dense layers: a stem, two stages of a block whose shortcut changes the width (a Dense on it) and
+    two blocks of one kind (ResNet's identity blocks), a head. `nested`: the stages are a backbone model called
+    by an outer model, as transfer learning builds it (NOTE [ a model inside a model ])."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16,))
+    hidden = layers.Dense(16, name="stem")(inputs)
+    for stage, width in enumerate((24, 32)):
+        shortcut = layers.Dense(width, name=f"s{stage}_shortcut")(hidden)
+        hidden = layers.Add(name=f"s{stage}_b0_add")([shortcut, layers.Dense(width, activation="gelu", name=f"s{stage}_b0")(hidden)])
+        for block in (1, 2):
+            update = layers.Dropout(0.2, seed=block)(layers.Dense(width, activation="gelu", name=f"s{stage}_b{block}")(hidden))
+            hidden = layers.Add(name=f"s{stage}_b{block}_add")([hidden, update])
+    if not nested:
+        return keras.Model(inputs, layers.Dense(3, name="head")(hidden))
+    backbone = keras.Model(inputs, hidden, name="backbone")
+    outer_inputs = keras.Input((16,))
+    return keras.Model(outer_inputs, layers.Dense(3, name="head")(backbone(outer_inputs)))
+
+
+STAGES_RECOMPUTED = ["s0_b1", "s0_b2", "s1_shortcut", "s1_b0", "s1_b1", "s1_b2"]
+STAGES_PLAIN = ["stem", "s0_shortcut", "s0_b0", "head"]
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["flat", "nested"])
+@pytest.mark.parametrize("mode", MODES)
+def test_auto_takes_every_repetition_of_a_block_and_the_blocks_between(mode, nested):
+    """NOTE [ a CNN's stages ]: both stages' identity blocks and the second stage's first block recompute, not only
+    the first stage's two (the longest run, as before); the stem, the first stage's first block and the head do
+    not. Nested, the backbone's graph is cut (NOTE [ a model inside a model ]): it was one unit, run whole again."""
+    model = residual_stages(nested)
+    recompute_model(model)
+    units = _model.recomputed_units(model)
+    assert units == [
+        "s0_b1 .. s0_b1_add",
+        "s0_b2 .. s0_b2_add",
+        units[2],
+        "s1_b1 .. s1_b1_add",
+        "s1_b2 .. s1_b2_add",
+    ] and units[2] in ("s1_shortcut .. s1_b0_add", "s1_b0 .. s1_b0_add"), units
+    compare_on_and_off(model, [X], mode, train_call, steps=2)
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["flat", "nested"])
+def test_auto_stages_recompute_their_layers_once_more(nested):
+    apply = lambda model: recompute_model(model)  # noqa: E731
+    assert_recomputes(functools.partial(residual_stages, nested), apply, STAGES_RECOMPUTED, STAGES_PLAIN, counted=(layers.Dense,), gelus=5)
+
+
+def test_a_model_called_twice_is_not_cut_into():
+    """A Siamese tower (one backbone called on two inputs) is not cut: its pieces would run once per call."""
+    keras.utils.set_random_seed(0)
+    backbone = residual_stages()
+    left, right = keras.Input((16,)), keras.Input((16,))
+    model = keras.Model([left, right], layers.Add()([backbone(left), backbone(right)]))
+    recompute_model(model)
+    assert not any("_add" in name for name in _model.recomputed_units(model)), _model.recomputed_units(model)
+
+
 ALL_BLOCKS = ["block_0", "block_1", "block_2"]
 
 
