@@ -974,7 +974,7 @@ def _auto_blocks(model, framework):
     chosen = _disjoint(runs, model) if runs else max(_runs(graphs, lambda layer: bool(layer.weights)), key=len, default=None)
     if chosen and not _graph_blocks_hold_more(model, framework, chosen):
         return chosen
-    if framework.functional_of(model) is not None:
+    if _graph_to_cut(model, framework) is not None:
         return None
     unbuilt = (
         f" {model.name!r} is not built yet, and its layers have no weights until it runs: call it on a batch "
@@ -1278,13 +1278,20 @@ def _segment_count(model, framework, segments):
 # the graph of the model inside where the outer graph calls one model once and
 # it holds more than half of the weights (by size), and so on inward; the
 # outer graph runs as Keras runs it. A model called twice (a Siamese tower)
-# is not cut into: its pieces would run once per call.
+# is not cut into: its pieces would run once per call, and a budget or a
+# report counts each piece once. A subclassed model that holds one model
+# with a graph and most of the weights (`self.backbone = ResNet50(...)`) is
+# cut in that model's graph too: its own calls cannot be seen before it runs.
 
 
 def _graph_to_cut(model, framework):
     """The functional graph whose pieces recompute: `model`'s own, or that of the model it nests (NOTE [ a model
     inside a model ]); None where `model` has no graph."""
     functional = framework.functional_of(model)
+    if functional is None:  # a subclassed model: the one model with a graph among its layers, if most weights
+        inner = [layer for layer in _context.children(model) if _is_model(layer) and framework.functional_of(layer) is not None]
+        if len(inner) == 1 and 2 * _weights_size(inner[0]) > _weights_size(model):
+            functional = framework.functional_of(inner[0])
     while functional is not None:
         nodes = framework.graph_nodes(functional)
         inner = [node[0] for node in nodes if _is_model(node[0]) and framework.functional_of(node[0]) is not None]

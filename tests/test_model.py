@@ -188,10 +188,23 @@ def test_auto_pieces_recompute_their_layers_once_more():
     assert_recomputes(dense_chain, apply, [f"dense_{i}" for i in range(4)], ["head"], counted=(layers.Dense,))
 
 
-def residual_stages(nested=False):
+class FineTuned(keras.Model):
+    """A subclassed model that holds a backbone model and a head."""
+
+    def __init__(self, backbone, **kwargs):
+        super().__init__(**kwargs)
+        self.backbone = backbone
+        self.head = layers.Dense(3, name="head")
+
+    def call(self, inputs, training=None):
+        return self.head(self.backbone(inputs, training=training))
+
+
+def residual_stages(kind="flat"):
     """A ResNet in Dense layers: a stem, two stages of a block whose shortcut changes the width (a Dense on it) and
-    two blocks of one kind (ResNet's identity blocks), a head. `nested`: the stages are a backbone model called
-    by an outer model, as transfer learning builds it (NOTE [ a model inside a model ])."""
+    two blocks of one kind (ResNet's identity blocks), a head. `kind`: "flat", or the stages are a backbone model
+    under a head, as transfer learning builds it (NOTE [ a model inside a model ]), in a functional ("nested") or
+    a subclassed model ("subclassed")."""
     keras.utils.set_random_seed(0)
     inputs = keras.Input((16,))
     hidden = layers.Dense(16, name="stem")(inputs)
@@ -201,9 +214,13 @@ def residual_stages(nested=False):
         for block in (1, 2):
             update = layers.Dropout(0.2, seed=block)(layers.Dense(width, activation="gelu", name=f"s{stage}_b{block}")(hidden))
             hidden = layers.Add(name=f"s{stage}_b{block}_add")([hidden, update])
-    if not nested:
+    if kind == "flat":
         return keras.Model(inputs, layers.Dense(3, name="head")(hidden))
     backbone = keras.Model(inputs, hidden, name="backbone")
+    if kind == "subclassed":
+        model = FineTuned(backbone)
+        model(X)
+        return model
     outer_inputs = keras.Input((16,))
     return keras.Model(outer_inputs, layers.Dense(3, name="head")(backbone(outer_inputs)))
 
@@ -212,13 +229,14 @@ STAGES_RECOMPUTED = ["s0_b1", "s0_b2", "s1_shortcut", "s1_b0", "s1_b1", "s1_b2"]
 STAGES_PLAIN = ["stem", "s0_shortcut", "s0_b0", "head"]
 
 
-@pytest.mark.parametrize("nested", [False, True], ids=["flat", "nested"])
+@pytest.mark.parametrize("kind", ["flat", "nested", "subclassed"])
 @pytest.mark.parametrize("mode", MODES)
-def test_auto_takes_every_repetition_of_a_block_and_the_blocks_between(mode, nested):
+def test_auto_takes_every_repetition_of_a_block_and_the_blocks_between(mode, kind):
     """NOTE [ a CNN's stages ]: both stages' identity blocks and the second stage's first block recompute, not only
     the first stage's two (the longest run, as before); the stem, the first stage's first block and the head do
-    not. Nested, the backbone's graph is cut (NOTE [ a model inside a model ]): it was one unit, run whole again."""
-    model = residual_stages(nested)
+    not. Nested, the backbone's graph is cut (NOTE [ a model inside a model ]): it was one unit, run whole again;
+    a subclassed model holding it had no graph to cut, and "auto" took the stem and a shortcut (two Dense in a row)."""
+    model = residual_stages(kind)
     recompute_model(model)
     units = _model.recomputed_units(model)
     assert units == [
@@ -231,10 +249,10 @@ def test_auto_takes_every_repetition_of_a_block_and_the_blocks_between(mode, nes
     compare_on_and_off(model, [X], mode, train_call, steps=2)
 
 
-@pytest.mark.parametrize("nested", [False, True], ids=["flat", "nested"])
-def test_auto_stages_recompute_their_layers_once_more(nested):
+@pytest.mark.parametrize("kind", ["flat", "nested", "subclassed"])
+def test_auto_stages_recompute_their_layers_once_more(kind):
     apply = lambda model: recompute_model(model)  # noqa: E731
-    assert_recomputes(functools.partial(residual_stages, nested), apply, STAGES_RECOMPUTED, STAGES_PLAIN, counted=(layers.Dense,), gelus=5)
+    assert_recomputes(functools.partial(residual_stages, kind), apply, STAGES_RECOMPUTED, STAGES_PLAIN, counted=(layers.Dense,), gelus=5)
 
 
 def test_a_model_called_twice_is_not_cut_into():
