@@ -255,6 +255,20 @@ def test_auto_stages_recompute_their_layers_once_more(kind):
     assert_recomputes(functools.partial(residual_stages, kind), apply, STAGES_RECOMPUTED, STAGES_PLAIN, counted=(layers.Dense,), gelus=5)
 
 
+@pytest.mark.parametrize("kind", ["nested", "subclassed"])
+def test_a_report_and_a_budget_of_a_backbone_under_a_head_are_over_its_blocks(kind):
+    """`memory_report` and `budget=` see the backbone's blocks, as "auto" does (they saw the backbone, one unit)."""
+    from keras_recompute import memory_report
+
+    batch = np.random.RandomState(1).standard_normal((256, 16)).astype("float32")
+    model = residual_stages(kind)
+    report = memory_report(model, batch)
+    assert [row["name"] for row in report.rows] == _model.recomputed_units(recompute_model(residual_stages(kind)))
+    recompute_model(model, budget=int(0.9 * report.predicted_peak), inputs=batch)
+    assert 0 < len(_model.recomputed_units(model)) <= 5 and "_add" in _model.recomputed_units(model)[0]
+    compare_on_and_off(model, [X], FAST_MODE, train_call)
+
+
 def test_a_model_called_twice_is_not_cut_into():
     """A Siamese tower (one backbone called on two inputs) is not cut: its pieces would run once per call."""
     keras.utils.set_random_seed(0)
