@@ -1411,9 +1411,11 @@ def _repeated_blocks(nodes, cuts):
     after the repeated region (embeddings, a head) are not units. Every
     repetition of the block is a unit, not only those of its longest run, and
     the pieces between two of them are units too (NOTE [ a CNN's stages ]).
-    A piece of one layer repeated is not a block: VGG16's convolutions, each
-    its own unit, kept their inputs, which were their predecessors' outputs,
-    and saved nothing (0.96x plain's peak at 1.45x its time); its stages are.
+    A piece of one leaf layer repeated is not a block: VGG16's convolutions,
+    each its own unit, kept their inputs, which were their predecessors'
+    outputs, and saved nothing (0.96x plain's peak at 1.45x its time); its
+    stages are. A block layer called again and again is (ALBERT's one shared
+    transformer layer).
     """
     bounds = [0] + cuts + [len(nodes)]
     pieces = list(zip(bounds, bounds[1:]))
@@ -1426,7 +1428,8 @@ def _repeated_blocks(nodes, cuts):
             while last + period < len(pieces) and kinds[last] == kinds[last + period]:
                 last += 1
             repeats = (last - first) // period + 1
-            lone = period == 1 and pieces[first][1] - pieces[first][0] == 1  # one layer is not a block
+            start, end = pieces[first]
+            lone = period == 1 and end - start == 1 and not _is_block(nodes[start][0])  # one leaf layer is no block
             if repeats >= 2 and not lone and (best is None or (repeats, -period) > best[:2]):
                 best = (repeats, -period, first)
             first = max(last, first + 1)

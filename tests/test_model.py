@@ -269,6 +269,22 @@ def test_a_report_and_a_budget_of_a_backbone_under_a_head_are_over_its_blocks(ki
     compare_on_and_off(model, [X], FAST_MODE, train_call)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_auto_recomputes_each_call_of_a_shared_block(mode):
+    """ALBERT calls one block layer again and again: each call is a unit (a piece that is one block layer), where a
+    piece of one leaf layer is not a block (NOTE [ a CNN's stages ])."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16,))
+    shared = Block(name="shared")
+    hidden = layers.Dense(16, name="stem")(inputs)
+    for _ in range(3):
+        hidden = shared(hidden)
+    model = keras.Model(inputs, layers.Dense(3, name="head")(hidden))
+    recompute_model(model)
+    assert _model.recomputed_units(model) == ["shared .. shared"] * 3
+    compare_on_and_off(model, [X], mode, train_call, steps=2)
+
+
 def test_a_model_called_twice_is_not_cut_into():
     """A Siamese tower (one backbone called on two inputs) is not cut: its pieces would run once per call."""
     keras.utils.set_random_seed(0)
