@@ -1429,7 +1429,7 @@ def _repeated_blocks(nodes, cuts):
                 last += 1
             repeats = (last - first) // period + 1
             start, end = pieces[first]
-            lone = period == 1 and end - start == 1 and not _is_block(nodes[start][0])  # one leaf layer is no block
+            lone = period == 1 and end - start == 1 and not _is_block_node(nodes[start][0])  # one leaf is no block
             if repeats >= 2 and not lone and (best is None or (repeats, -period) > best[:2]):
                 best = (repeats, -period, first)
             first = max(last, first + 1)
@@ -1464,6 +1464,12 @@ def _repeated_blocks(nodes, cuts):
 # each stretch between two repetitions that holds weights (the stages' first
 # blocks) is one too: ResNet50's 15 blocks after its first. A transformer's
 # blocks repeat without a gap, as before.
+
+
+def _is_block_node(operation):
+    """`_is_block` for a graph node's operation: a Keras 3 op in a graph (`keras.ops.relu`) is no layer, and
+    asking for its sub-layers raised on TensorFlow (keras-cv's MobileNetV3)."""
+    return _context.is_layer(operation) and _is_block(operation)
 
 
 def _between_weights(nodes, cuts):
