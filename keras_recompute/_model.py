@@ -1007,7 +1007,7 @@ def _auto_blocks(model, framework):
 def _graph_blocks_hold_more(model, framework, chosen):
     """Whether the repeated pieces of `model`'s graph hold more weights than the layers `chosen`, these less than
     half of the model's (NOTE [ blocks that are pieces of a graph ])."""
-    held = sum(_weights_size(layer) for layer in _distinct_layers(chosen))
+    held = sum(_weights_size(layer) for layer in {id(layer): layer for layer in chosen}.values())
     functional = _graph_to_cut(model, framework)
     if functional is None or 2 * held >= _weights_size(model):
         return False
@@ -1015,16 +1015,8 @@ def _graph_blocks_hold_more(model, framework, chosen):
     ranges = _repeated_blocks(nodes, _separating_cuts(nodes, *framework.graph_ends(functional)))
     if not ranges:
         return False
-    return sum(_weights_size(layer) for layer in _distinct_layers(nodes[i][0] for start, end in ranges for i in range(start, end))) > held
-
-
-def _distinct_layers(layers):
-    seen, distinct = set(), []
-    for layer in layers:
-        if id(layer) not in seen:
-            seen.add(id(layer))
-            distinct.append(layer)
-    return distinct
+    pieces = {id(node[0]): node[0] for start, end in ranges for node in nodes[start:end]}
+    return sum(_weights_size(layer) for layer in pieces.values()) > held
 
 
 def _listed_blocks(layer, attribute):
