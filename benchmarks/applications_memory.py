@@ -7,9 +7,14 @@ a fresh process on TensorFlow: `fit`'s compiled step (SGD, MSE) once to build, t
 the peak of TensorFlow's BFC allocator above what the process held before the step, then the median
 time of 3 more steps. `plain`: no recompute; `auto`: `recompute_model(model)`; with `--before DIR`
 (a checkout's `keras_recompute` folder's parent), `auto` as that version of the library plans it too.
+With `--frozen all` the backbone is frozen (feature extraction, Keras's transfer learning guide's first
+phase), with `--frozen lower_half` the lower half of its layers (fine-tuning the upper half): a recompute
+no gradient reads must cost nothing (NOTE [ a check the runtime may prune ] in
+`keras_recompute/backends/tensorflow.py`).
 
 ```
 python benchmarks/applications_memory.py --out benchmarks/results/applications_memory_tensorflow.json
+python benchmarks/applications_memory.py --frozen all --out benchmarks/results/applications_memory_frozen_tensorflow.json
 ```
 """
 
@@ -30,6 +35,12 @@ from keras_recompute import _model
 name, mode, batch, size = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 keras.utils.set_random_seed(0)
 backbone = getattr(keras.applications, name)(include_top=False, weights=None, input_shape=(size, size, 3))
+frozen = sys.argv[5]
+if frozen == "all":  # feature extraction: the backbone frozen, the head trained
+    backbone.trainable = False
+elif frozen == "lower_half":  # fine-tuning: the upper layers trained, the lower ones frozen
+    for layer in backbone.layers[: len(backbone.layers) // 2]:
+        layer.trainable = False
 inputs = keras.Input((size, size, 3))
 model = keras.Model(inputs, keras.layers.Dense(1)(keras.layers.GlobalAveragePooling2D()(backbone(inputs))))
 model.compile(optimizer="sgd", loss="mse")
@@ -60,6 +71,9 @@ def main(argv=None):
     parser.add_argument("--models", nargs="+", default=MODELS)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--size", type=int, default=128, help="the images' height and width")
+    parser.add_argument("--frozen", choices=["none", "all", "lower_half"], default="none",
+                        help="the backbone's layers frozen (`trainable = False`): none, all (feature extraction), "
+                        "or the lower half of them (fine-tuning the upper ones)")
     parser.add_argument("--before", help="the parent folder of an earlier keras_recompute, measured as `auto_before`")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
@@ -70,7 +84,7 @@ def main(argv=None):
         for mode, source in modes:
             path = os.pathsep.join(p for p in [source or _measure.ROOT, os.environ.get("PYTHONPATH", "")] if p)
             env = dict(os.environ, KERAS_BACKEND="tensorflow", TF_CPU_ALLOCATOR_USE_BFC="1", TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=path)
-            child = [sys.executable, "-c", CHILD, name, "plain" if mode == "plain" else "auto", str(args.batch), str(args.size)]
+            child = [sys.executable, "-c", CHILD, name, "plain" if mode == "plain" else "auto", str(args.batch), str(args.size), args.frozen]
             done = subprocess.run(child, env=env, capture_output=True, text=True, cwd="/")
             if done.returncode:
                 row[mode] = {"error": done.stderr.strip().splitlines()[-1][:200]}
