@@ -3,7 +3,8 @@
 Tested on TensorFlow 2.21 (tensorflow-cpu wheel), and on 1.14, 1.15, 2.0, 2.1
 and 2.3 (Python 3.7, `tests/legacy/run.py`). What is used:
 `tensorflow.python.eager.record` (`stop_recording`, `record_operation`; in
-`tape` before it), and `resource_variable_ops` (`variable_accessed`, and
+`tape` before it), `control_flow_util` (whether a graph is XLA's), and
+`resource_variable_ops` (`variable_accessed`, and
 `BaseResourceVariable`'s `_read_variable_op`, `sparse_read` and `gather_nd`,
 hooked: NOTE [ hooking variable reads ]). A TensorFlow that lacks one gets an
 error that names it instead of a wrong gradient.
@@ -171,6 +172,13 @@ def tf_2_behavior():
     from tensorflow.python.framework import ops
 
     return ops.executing_eagerly_outside_functions()
+
+
+def in_xla_context():
+    """Whether the graph being built is compiled by XLA (`tf.function(jit_compile=True)`, or inside one)."""
+    from tensorflow.python.ops import control_flow_util
+
+    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
 
 
 def tape_active():

@@ -47,6 +47,7 @@ from keras_recompute.backends._tf_private import (
     LEGACY,
     TF_VERSION,
     custom_gradient,
+    in_xla_context,
     require_modern,
     stop_recording,
     tf_2_behavior,
@@ -802,7 +803,7 @@ class _Expected:
             heads.append(head)
         if self.fingerprints is None:  # check=False
             return heads, []
-        asserts = []
+        checks = []
         for index, (head, before) in enumerate(zip(heads, self.fingerprints)):
             after = _fingerprint(head.returned)
             # A forward that overflowed (a diverged model) is reproduced when the recompute
@@ -827,8 +828,8 @@ class _Expected:
                 same = difference <= limit
                 if exact is not None:  # NOTE [ a NaN gradient ]
                     same = tf.logical_or(same, tf.logical_not(exact))
-                asserts.append(_graph_check(same, message, difference, limit, as_data))
-        return heads, asserts
+                checks.append(_graph_check(same, message, difference, limit, as_data))
+        return heads, checks
 
     @classmethod
     def _tolerance(cls, dtype):
@@ -861,10 +862,8 @@ class _Expected:
 def _graph_check(same, message, difference, limit, as_data):
     """An op that fails with `message` where `same` is False, or with `as_data` in a `tf.function`, a float32 zero
     that does (NOTE [ a check the runtime may prune ])."""
-    from tensorflow.python.ops import control_flow_util
-
-    graph = tf.compat.v1.get_default_graph()
-    if LEGACY or not as_data or not getattr(graph, "building_function", False) or control_flow_util.GraphOrParentsInXlaContext(graph):
+    in_function = getattr(tf.compat.v1.get_default_graph(), "building_function", False)
+    if LEGACY or not as_data or not in_function or in_xla_context():
         return tf.debugging.Assert(same, [message, "Fingerprints differ by", difference, "allowed", limit])
     text = tf.strings.join([message, " Fingerprints differ by ", tf.strings.as_string(difference), ", allowed ", tf.strings.as_string(limit), "."])
     return tf.strings.to_number(tf.where(same, "0", text), out_type=tf.float32)
