@@ -210,20 +210,25 @@ class UnitCosts:
     `update_bytes`: what the optimizer's update of the unit's weights
     allocates at once (twice its largest weight; 0 without an optimizer).
     `largest`: the largest tensor the unit makes (its forward's, made again
-    by a recompute), in bytes.
+    by a recompute), in bytes. `reached`: whether a gradient reaches the unit
+    in the step (else every option keeps nothing and costs nothing: NOTE [ a
+    unit no gradient reaches ] in `_memory`).
     """
 
-    def __init__(self, name, options, gradient_bytes, input_bytes=0, update_bytes=0, largest=0):
+    def __init__(self, name, options, gradient_bytes, input_bytes=0, update_bytes=0, largest=0, reached=True):
         self.name = name
         self.options = dict(options)
         self.gradient_bytes = int(gradient_bytes)
         self.input_bytes = int(input_bytes)
         self.update_bytes = int(update_bytes)
         self.largest = int(largest)
+        self.reached = bool(reached)
 
     def like(self, options):
         """This unit with other options."""
-        return UnitCosts(self.name, options, self.gradient_bytes, self.input_bytes, self.update_bytes, self.largest)
+        return UnitCosts(
+            self.name, options, self.gradient_bytes, self.input_bytes, self.update_bytes, self.largest, self.reached
+        )
 
 
 def offloaded(model, policies):

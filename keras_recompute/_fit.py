@@ -285,18 +285,19 @@ class FittedModel:
             self._units.append((
                 fit([u.gradient_bytes for u in unit_models]), fit([u.input_bytes for u in unit_models]),
                 fit([u.update_bytes for u in unit_models]), fit([u.largest for u in unit_models]), options,
+                unit_models[0].reached,
             ))
 
     def at(self, size):
         """The `_budget.Model` the fit predicts at `size` (no field below 0)."""
         value = lambda coefficients: max(0.0, _evaluate(coefficients, size))  # noqa: E731
         units = []
-        for name, (gradients, inputs, update, largest, options) in zip(self.names, self._units):
+        for name, (gradients, inputs, update, largest, options, reached) in zip(self.names, self._units):
             built = {
                 option: _budget.Option(option, value(kept), value(transient), value(seconds), value(forward))
                 for option, (kept, transient, seconds, forward) in options.items()
             }
-            units.append(_budget.UnitCosts(name, built, value(gradients), value(inputs), value(update), value(largest)))
+            units.append(_budget.UnitCosts(name, built, value(gradients), value(inputs), value(update), value(largest), reached))
         fixed = {name: value(coefficients) for name, coefficients in self._fixed.items()}
         return _budget.Model(
             units, fixed["resident"], fixed["outside"], fixed["outside_gradient_bytes"], fixed["update"], self._applied_as_made,

@@ -81,6 +81,9 @@ class MemoryReport:
         inner: a line naming the units that hold layers whose own call is
             decorated and recomputes now (their "none" is the unit as it
             stands, those layers recomputed), else `""`.
+        unreached: a line naming the units no gradient reaches in the step
+            (frozen, with no trained weight before them: NOTE [ a unit no
+            gradient reaches ]), which keep nothing and stay plain, else `""`.
     """
 
     def __init__(self, title, rows, predicted_peak, resident, floor, plain_peak, measure_seconds, execution=COMPILED,
@@ -98,6 +101,7 @@ class MemoryReport:
         self.offload = ""  # a line on offload (NOTE [ offload ] in `_policy`) when it was asked for
         self.switch = ""  # a line when the model has a plan that the switch keeps off now
         self.inner = ""  # a line when units hold decorated layers that recompute now
+        self.unreached = ""  # a line when no gradient reaches some units
 
     def __str__(self):
         options = []
@@ -124,6 +128,8 @@ class MemoryReport:
             + f" (weights, optimizer and batch {_budget.format_bytes(self.resident)}; with no recompute "
             f"{_budget.format_bytes(self.plain_peak)}; the least any plan reaches {_budget.format_bytes(self.floor)})"
         )
+        if self.unreached:
+            text.append(self.unreached)
         if self.inner:
             text.append(self.inner)
         if self.offload:
@@ -176,7 +182,20 @@ def report(model, units, inputs, current, execution=None, offload=False):
     result = MemoryReport(title, rows, predicted, measured.resident, floor, plain, seconds, execution, reason)
     result.peak_at = where
     result.offload = offload_line
+    result.unreached = _unreached_line([unit.name for unit in measured.units if not unit.reached])
     return result
+
+
+def _unreached_line(names):
+    """The report's line on the units no gradient reaches (NOTE [ a unit no gradient reaches ]), or `""`."""
+    if not names:
+        return ""
+    shown = ", ".join(names) if len(names) <= 3 else f"{names[0]} .. {names[-1]}"
+    return (
+        f"{len(names)} unit{'s' if len(names) > 1 else ''} ({shown}) no gradient reaches in this step (frozen, with "
+        "no trained weight before them): they keep nothing and stay plain. The plan is for the model as it stands: "
+        "after unfreezing them, plan again."
+    )
 
 
 def with_offload(model, measured, offload):
@@ -460,17 +479,23 @@ def _measure(model, units, inputs, backend, execution):
     state = [v for v in model.variables if not _trainable(v)]
     saved = [_numpy(v) for v in state]
     try:
-        records, loss, output_bytes = _record(model, units, inputs, backend)
+        records, loss, output_bytes, (reached, unreached_forward) = _record(model, units, inputs, backend)
+        # Where the step differentiates only what a trained weight reaches, a unit no gradient reaches keeps
+        # nothing and is not recomputed (NOTE [ a unit no gradient reaches ]).
+        pruned = execution == COMPILED or _module_name(backend) != "tensorflow"
         costs_by_kind, unit_costs = {}, []
         for unit in units:
             args, kwargs, sizes = records[id(unit)]
+            if pruned and id(unit) not in reached:
+                unit_costs.append(_unreached_costs(unit, sizes[0], unreached_forward))
+                continue
             kind = _unit_kind(unit, args, kwargs)
             if kind not in costs_by_kind:
                 costs_by_kind[kind] = _measure_options(
                     unit, args, kwargs, backend, _undecorated(unit.call), recompute_grad, execution
                 )
             unit_costs.append(_unit_costs(unit, costs_by_kind[kind], *sizes, _recompute_largest(backend, unit), model))
-        whole = _whole_model_kept(model, units, inputs, backend, _undecorated, recompute_grad, execution)
+        whole = _whole_model_kept(model, units, inputs, backend, _undecorated, recompute_grad, execution, not pruned)
         outside = max(0, whole - sum(u.options[_policy.FULL].kept for u in unit_costs))
         resident = resident_bytes(model, inputs)
         unit_gradients = sum(u.gradient_bytes for u in unit_costs)
@@ -569,16 +594,27 @@ def _unit_costs(unit, measured, input_bytes, output_bytes, recompute_largest=1.0
 
 
 def _record(model, units, inputs, backend):
-    """`({id(unit): (args, kwargs, (input_bytes, output_bytes))}, loss, outputs)` from one training-mode forward of `model`.
+    """`({id(unit): (args, kwargs, (input_bytes, output_bytes))}, loss, outputs, reached)` from one training-mode
+    forward of `model`.
 
-    `loss`: what a loss's backward holds on its outputs (PyTorch, TensorFlow; else 0); `outputs`: their bytes.
+    `loss`: what a loss's backward holds on its outputs (PyTorch, TensorFlow; else 0); `outputs`: their bytes;
+    `reached`: `(ids, forward)`, the ids of the units a gradient may reach and the most bytes one layer's call
+    held (its arguments and outputs) before any trained weight was used (NOTE [ a unit no gradient reaches ]).
     """
     from keras_recompute.backends import _keras3
 
-    records = {}
+    records, reached, trained, unreached_forward = {}, set(), [], [0]
+    layers = [model] + _context.sublayers(model)
+    owners = _trained_owners(layers)
     with contextlib.ExitStack() as stack:
+        for layer in layers:
+            leaf = not _context.children(layer)
+            if id(layer) in owners or leaf:
+                marker = _marker(layer, layer.call, trained, id(layer) in owners, unreached_forward if leaf else None)
+                stack.enter_context(_context.instance_attribute(layer, "call", marker))
         for unit in units:
-            stack.enter_context(_context.instance_attribute(unit, "call", _recorder(unit, unit.call, records)))
+            recorder = _recorder(unit, unit.call, records, reached, trained)
+            stack.enter_context(_context.instance_attribute(unit, "call", recorder))
         with _no_gradient(backend):
             outputs = model(inputs, **_keras3.training_kwargs(model))  # as Keras's trainer calls it
     missing = [unit_name(unit) for unit in units if id(unit) not in records]
@@ -587,17 +623,104 @@ def _record(model, units, inputs, backend):
             f"keras_recompute: a forward of {model.name!r} on `inputs` did not call the units {missing}: "
             "pass inputs= as the model takes them in training."
         )
+    after = [model] + _context.sublayers(model)
+    if [id(layer) for layer in after] != [id(layer) for layer in layers] or _trained_owners(after) != owners:
+        # Layers made or built by this first call were not watched: every unit counts as reached, as before.
+        reached, unreached_forward = {id(unit) for unit in units}, [0]
     # What the loss's backward holds on the outputs: measured on PyTorch, counted on TensorFlow's graph.
     loss = backend.loss_peak(outputs, model) if hasattr(backend, "loss_peak") else 0
-    return records, loss, _tensor_bytes(outputs)
+    return records, loss, _tensor_bytes(outputs), (reached, unreached_forward[0])
 
 
-def _recorder(unit, call, records):
+# NOTE [ a unit no gradient reaches ]
+# A training step differentiates the loss with respect to the trained weights,
+# never the batch. A unit called before any trained weight is used, with none
+# of its own (a frozen backbone under a trained head: Keras's transfer
+# learning guide's first phase; the frozen lower half of a model fine-tuned),
+# is reached by no gradient: a compiled step (a `tf.function`, XLA, `jax.jit`)
+# prunes its backward and keeps nothing of its forward, PyTorch's autograd
+# records none of it, and a recompute of it is pruned too (NOTE [ a check the
+# runtime may prune ] in `backends/tensorflow.py`). Measured as a unit is,
+# inputs differentiated, it was counted as keeping its activations:
+# keras.applications ResNet50 frozen under a Dense head, batch 32 at 128x128,
+# was predicted to peak at 669 MB (the least plan at 369 MB) where its `fit`
+# step peaks at 189 MB (TensorFlow's BFC allocator), and with its lower half
+# frozen at 810 MB (417) where it peaks at 363. So the forward that records
+# the units' calls (`_record`) also notes, in call order, whether a layer that
+# owns a trained weight has been called yet (`_trained_owners`, `_marker`); a
+# unit called before that, with no trained weight of its own, is not reached:
+# every option keeps nothing, has no backward and costs no time (a plan leaves
+# it plain, "none" winning the tie), and the whole model is measured with its
+# inputs not differentiated, as the step has them. (Where that forward builds
+# layers, or makes new ones, which were not watched, every unit counts as
+# reached.) Such a step may peak in its forward, which the units' measures do
+# not see: there, what a leaf layer's call held before any trained weight ran
+# (its arguments and outputs; the most of any), beside a unit's inputs (held
+# for a residual's sum). ResNet50 is now predicted at 235 MB (24% over; its
+# peak is at a sum in the stem's block, where three tensors of 33.5 MB are
+# alive), with its lower half frozen at 445 MB (22% over, as the trained
+# model's 1255 MB is 17% over its 1073); 6 dense blocks, all frozen, at 11.4
+# MiB where three runs of the step peaked at 11.1, 12.0 and 12.2 MiB
+# (TensorFlow's executor orders a graph's ops differently from run to run;
+# `tests/test_budget.py`). The order is the calls', not the graph's: a trained
+# layer on another branch called earlier counts as reaching every unit after
+# it, which can only over-predict, as before. An eager TensorFlow step is
+# measured as it was: Keras 3's frozen variables are still trainable
+# `tf.Variable`s, so its tape records the frozen units and keeps what they
+# read (NOTE [ measuring for eager execution ] in `backends/tensorflow.py`). A
+# plan is for the model as it stands: unfreezing its layers (the guide's
+# second phase) needs a plan made again.
+
+
+def _trained_owners(layers):
+    """The ids of `layers` that own a trained weight none of their sub-layers holds."""
+    owners = set()
+    for layer in layers:
+        own = {id(v) for v in layer.trainable_variables}
+        for child in _context.children(layer):
+            own -= {id(v) for v in child.trainable_variables}
+        if own:
+            owners.add(id(layer))
+    return owners
+
+
+def _marker(layer, call, trained, owner, held):
+    """`call`, which notes in `trained` that a layer owning a trained weight ran (`owner`), and in `held[0]` the
+    most bytes a leaf layer's call held before one did (`held` not None); not a shape-only call."""
+    from keras_recompute.backends import _keras3
+
+    keras3 = _keras3.is_layer(layer)
+
+    def mark(*args, **kwargs):
+        symbolic = keras3 and _keras3.in_symbolic_scope()
+        if owner and not symbolic:
+            trained.append(layer)
+        outputs = call(*args, **kwargs)
+        if held is not None and not trained and not symbolic:
+            held[0] = max(held[0], _float_bytes((args, kwargs)) + _float_bytes(outputs))
+        return outputs
+
+    return mark
+
+
+def _unreached_costs(unit, input_bytes, held):
+    """A unit no gradient reaches: under every option it keeps nothing, has no backward and costs no time (its
+    recompute is pruned: NOTE [ a unit no gradient reaches ]); its forward holds its inputs and `held`, the most a
+    layer's call held before a trained weight was used (the block's input, held for a residual's sum, beside its
+    layers' arguments and outputs)."""
+    options = {option: _budget.Option(option, 0, 0, 0.0, held) for option in options_of(unit)}
+    return _budget.UnitCosts(unit_name(unit), options, 0, input_bytes, 0, 0, reached=False)
+
+
+def _recorder(unit, call, records, reached, trained):
     from keras_recompute.backends import _keras3
 
     keras3 = _keras3.is_layer(unit)
 
     def record(*args, **kwargs):
+        # Every call counts: a unit called again after a trained layer (a shared block) is reached by a gradient.
+        if not (keras3 and _keras3.in_symbolic_scope()) and (trained or unit.trainable_variables):
+            reached.add(id(unit))
         outputs = call(*args, **kwargs)
         # A model not built yet is built by Keras at its first call, by a call that computes only shapes (on JAX
         # its values are tracers of that trace): that call is not the one measured, the call that follows is.
@@ -629,8 +752,11 @@ def _no_gradient(backend):
     return contextlib.nullcontext()
 
 
-def _whole_model_kept(model, units, inputs, backend, undecorated, recompute_grad, execution):
+def _whole_model_kept(model, units, inputs, backend, undecorated, recompute_grad, execution, differentiated=True):
     """What the whole model keeps with every unit recomputed ("full"): its units' inputs, and the rest.
+
+    `differentiated`: whether the model's floating inputs are differentiated (not where the step prunes what no
+    gradient reaches: NOTE [ a unit no gradient reaches ]).
 
     Measured with the units recomputed, not plain: where the measurement runs
     the forward (PyTorch), it then holds no more than full recompute keeps,
@@ -643,7 +769,9 @@ def _whole_model_kept(model, units, inputs, backend, undecorated, recompute_grad
             full = recompute_grad(undecorated(unit.call), enabled=True, policy=_policy.FULL)
             stack.enter_context(_context.instance_attribute(unit, "call", full))
         training = _keras3.training_kwargs(model)  # as Keras's trainer calls it
-        return backend.measure_unit(model, (inputs,), training, _policy.FULL, timed=False, execution=execution)[0]
+        return backend.measure_unit(
+            model, (inputs,), training, _policy.FULL, timed=False, execution=execution, differentiated=differentiated
+        )[0]
 
 
 def _unit_kind(unit, args, kwargs):

@@ -470,7 +470,7 @@ def _wait(tree, zero, floats=True, by="add"):
 # jitted gradient of the stateless call is what `_memory` times.
 
 
-def measure_unit(layer, args, kwargs, policy, timed=True, execution="compiled"):
+def measure_unit(layer, args, kwargs, policy, timed=True, execution="compiled", differentiated=True):
     """What one call of `layer` keeps for its backward, and a step of it to time.
 
     Args:
@@ -482,6 +482,9 @@ def measure_unit(layer, args, kwargs, policy, timed=True, execution="compiled"):
         execution: accepted for every backend: the residuals are what the
             step keeps, run eagerly or compiled (the compiled step is checked
             as a whole: NOTE [ checking a plan on JAX ]).
+        differentiated: whether the floating arguments are differentiated
+            (not a whole model's batch: NOTE [ a unit no gradient reaches ]
+            in `_memory`).
 
     Returns:
         `(kept_bytes, largest_bytes, step, read_bytes)`, as on TensorFlow;
@@ -491,7 +494,7 @@ def measure_unit(layer, args, kwargs, policy, timed=True, execution="compiled"):
     trainable = [v.value for v in layer.trainable_variables]
     other = [v.value for v in layer.non_trainable_variables]
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=lambda x: x is None)
-    positions = [i for i, leaf in enumerate(leaves) if _is_differentiable(leaf)]
+    positions = [i for i, leaf in enumerate(leaves) if differentiated and _is_differentiable(leaf)]
     masks = [_context.get_mask(leaves[p]) for p in positions]
 
     def outputs(trainable, differentiated):

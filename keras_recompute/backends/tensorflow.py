@@ -1056,7 +1056,7 @@ def _waiter(upstream):
 _VIEWS = frozenset(("Identity", "IdentityN", "Reshape", "ExpandDims", "Squeeze", "StopGradient", "Snapshot"))
 
 
-def measure_unit(layer, args, kwargs, policy, timed=True, execution="compiled"):
+def measure_unit(layer, args, kwargs, policy, timed=True, execution="compiled", differentiated=True):
     """What one call of `layer` keeps for its backward, and a step of it to time.
 
     Args:
@@ -1068,6 +1068,9 @@ def measure_unit(layer, args, kwargs, policy, timed=True, execution="compiled"):
         timed: whether to return a step (else None).
         execution: `"compiled"` (a `tf.function` or XLA step) or `"eager"`
             (NOTE [ measuring for eager execution ]).
+        differentiated: whether the floating arguments are differentiated
+            (not a whole model's batch: NOTE [ a unit no gradient reaches ]
+            in `_memory`).
 
     Returns:
         `(kept_bytes, largest_bytes, step, read_bytes)`: bytes the forward
@@ -1088,7 +1091,7 @@ def measure_unit(layer, args, kwargs, policy, timed=True, execution="compiled"):
             "policy= to recompute_model by hand."
         )
     flat = list(_context.leaves((args, kwargs)))
-    positions = [i for i, leaf in enumerate(flat) if _is_differentiable(leaf)]
+    positions = [i for i, leaf in enumerate(flat) if differentiated and _is_differentiable(leaf)]
     variables = [_tf_variable(v) for v in layer.trainable_weights]
     forward_ops = {}
 

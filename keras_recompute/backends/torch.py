@@ -990,7 +990,7 @@ def _device():
     return get_device()
 
 
-def measure_unit(layer, args, kwargs, policy, timed=True, execution="compiled"):
+def measure_unit(layer, args, kwargs, policy, timed=True, execution="compiled", differentiated=True):
     """What one call of `layer` keeps for its backward, and a step of it to time.
 
     Args:
@@ -1002,6 +1002,9 @@ def measure_unit(layer, args, kwargs, policy, timed=True, execution="compiled"):
         timed: whether to return a step (else None).
         execution: accepted for every backend: PyTorch runs eagerly, and the
             saved-tensor hooks see what its eager step keeps.
+        differentiated: whether the floating arguments are differentiated
+            (not a whole model's batch: NOTE [ a unit no gradient reaches ]
+            in `_memory`).
 
     Returns:
         `(kept_bytes, largest_bytes, step, read_bytes)`, as on TensorFlow;
@@ -1014,7 +1017,7 @@ def measure_unit(layer, args, kwargs, policy, timed=True, execution="compiled"):
         flat = keras.tree.flatten((args, kwargs))
         inputs = []
         for index, leaf in enumerate(flat):
-            if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+            if differentiated and isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
                 copy = leaf.detach().clone().requires_grad_(True)
                 mask = _keras3.get_mask(leaf)
                 if mask is not None:
