@@ -1,0 +1,113 @@
+"""What `memory_report` predicts for a keras.applications CNN with a frozen backbone, against its step's peak.
+
+Transfer learning trains a head over a frozen backbone, then the upper layers too: a unit no trained
+weight reaches keeps nothing in a compiled step (NOTE [ a unit no gradient reaches ] in
+`keras_recompute/_memory.py`). Each configuration runs in a fresh process on TensorFlow (BFC
+allocator): `peak`, the absolute allocator peak of `fit`'s compiled step (SGD, MSE; the second
+step, the first traces it); `predicted`, `memory_report`'s predicted peak (compiled), with
+`--before DIR` (a checkout's `keras_recompute` folder's parent) also as that version predicts it;
+and where a plan can lower the peak, `recompute_model(budget=)` half way between the least plan and
+no recompute: the budget and that plan's measured peak.
+
+```
+python benchmarks/frozen_prediction.py --out benchmarks/results/frozen_prediction_tensorflow.json
+```
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _measure  # noqa: E402
+
+CHILD = r"""
+import json, sys
+import numpy as np, keras, tensorflow as tf
+import keras_recompute
+name, frozen, mode, batch, size, budget = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
+keras.utils.set_random_seed(0)
+backbone = getattr(keras.applications, name)(include_top=False, weights=None, input_shape=(size, size, 3))
+if frozen == "all":  # feature extraction: the backbone frozen, the head trained
+    backbone.trainable = False
+elif frozen == "lower_half":  # fine-tuning: the upper layers trained, the lower ones frozen
+    for layer in backbone.layers[: len(backbone.layers) // 2]:
+        layer.trainable = False
+inputs = keras.Input((size, size, 3))
+model = keras.Model(inputs, keras.layers.Dense(1)(keras.layers.GlobalAveragePooling2D()(backbone(inputs))))
+model.compile(optimizer="sgd", loss="mse")
+x = np.random.RandomState(0).rand(batch, size, size, 3).astype("float32")
+y = np.random.RandomState(1).rand(batch, 1).astype("float32")
+if mode == "report":
+    report = keras_recompute.memory_report(model, inputs=x, execution="compiled")
+    print(json.dumps({"predicted": report.predicted_peak, "floor": report.floor, "units": len(report.rows),
+                      "unreached": getattr(report, "unreached", None)}))
+    sys.exit()
+record = {}
+if mode == "budget":
+    keras_recompute.recompute_model(model, budget=budget, inputs=x, enabled=True)
+    record["plan"] = [row["policy"] for row in keras_recompute.memory_report(model, inputs=x).rows]
+model.optimizer.build(model.trainable_variables)
+model.train_on_batch(x, y)
+tf.config.experimental.reset_memory_stats("CPU:0")
+model.train_on_batch(x, y)
+record["peak"] = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+print(json.dumps(record))
+"""
+
+MODELS = ["ResNet50", "MobileNetV2"]
+FROZEN = ["none", "all", "lower_half"]
+
+
+def _child(name, frozen, mode, args, source, budget=0):
+    path = os.pathsep.join(p for p in [source, os.environ.get("PYTHONPATH", "")] if p)
+    env = dict(os.environ, KERAS_BACKEND="tensorflow", TF_CPU_ALLOCATOR_USE_BFC="1", TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=path)
+    child = [sys.executable, "-c", CHILD, name, frozen, mode, str(args.batch), str(args.size), str(int(budget))]
+    done = subprocess.run(child, env=env, capture_output=True, text=True, cwd="/")
+    if done.returncode:
+        return {"error": done.stderr.strip().splitlines()[-1][:200]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="+", default=MODELS)
+    parser.add_argument("--frozen", nargs="+", choices=FROZEN, default=FROZEN)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--size", type=int, default=128, help="the images' height and width")
+    parser.add_argument("--before", help="the parent folder of an earlier keras_recompute, predicting as `before`")
+    parser.add_argument("--out")
+    args = parser.parse_args(argv)
+    results = {}
+    for name in args.models:
+        for frozen in args.frozen:
+            row = results[f"{name} {frozen}"] = {"plain": _child(name, frozen, "plain", args, _measure.ROOT)}
+            row["report"] = _child(name, frozen, "report", args, _measure.ROOT)
+            if args.before:
+                row["report_before"] = _child(name, frozen, "report", args, os.path.abspath(args.before))
+            peak = row["plain"].get("peak")
+            for key in ("report", "report_before"):
+                if peak and "predicted" in row.get(key, {}):
+                    row[key]["over_peak"] = row[key]["predicted"] / peak
+            report = row["report"]
+            if "predicted" in report and report["floor"] < 0.95 * report["predicted"]:
+                budget = (report["floor"] + report["predicted"]) // 2
+                row["budget"] = dict(_child(name, frozen, "budget", args, _measure.ROOT, budget), budget=budget)
+                if "peak" in row["budget"]:
+                    row["budget"]["peak_over_budget"] = row["budget"]["peak"] / budget
+            before = row.get("report_before", {})
+            print(
+                f"{name:12s} {frozen:10s} peak {(peak or 0) / 1e6:7.1f} MB  predicted {report.get('predicted', 0) / 1e6:7.1f} MB "
+                f"({report.get('over_peak', 0):.2f}x)"
+                + (f"  before {before['predicted'] / 1e6:7.1f} MB ({before['over_peak']:.2f}x)" if "over_peak" in before else "")
+                + (f"  budget {row['budget']['budget'] / 1e6:.1f} MB: peak {row['budget'].get('peak', 0) / 1e6:.1f} MB"
+                   if "budget" in row else ""),
+                flush=True,
+            )
+    _measure.write_json(args.out, vars(args), results)
+
+
+if __name__ == "__main__":
+    main()
