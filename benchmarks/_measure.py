@@ -171,6 +171,27 @@ def planned_policies(model, inputs):
     return " ".join({"none": "-"}.get(row["policy"], row["policy"]) for row in memory_report(model, inputs).rows)
 
 
+def applications_under_a_head(name, size, frozen="none"):
+    """A keras.applications backbone (no weights) under a pooling and a Dense head, compiled (SGD, MSE).
+
+    `frozen`: `"none"`, `"all"` (feature extraction: the backbone frozen, the head trained) or
+    `"lower_half"` (fine-tuning: the lower half of the backbone's layers frozen).
+    """
+    import keras
+
+    keras.utils.set_random_seed(0)
+    backbone = getattr(keras.applications, name)(include_top=False, weights=None, input_shape=(size, size, 3))
+    if frozen == "all":
+        backbone.trainable = False
+    elif frozen == "lower_half":
+        for layer in backbone.layers[: len(backbone.layers) // 2]:
+            layer.trainable = False
+    inputs = keras.Input((size, size, 3))
+    model = keras.Model(inputs, keras.layers.Dense(1)(keras.layers.GlobalAveragePooling2D()(backbone(inputs))))
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
 def rss_peak():
     """In a child: its peak resident memory in bytes (`VmHWM`)."""
     with open("/proc/self/status") as status:

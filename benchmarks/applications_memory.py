@@ -33,17 +33,9 @@ import numpy as np, keras, tensorflow as tf
 import keras_recompute
 from keras_recompute import _model
 name, mode, batch, size = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-keras.utils.set_random_seed(0)
-backbone = getattr(keras.applications, name)(include_top=False, weights=None, input_shape=(size, size, 3))
-frozen = sys.argv[5]
-if frozen == "all":  # feature extraction: the backbone frozen, the head trained
-    backbone.trainable = False
-elif frozen == "lower_half":  # fine-tuning: the upper layers trained, the lower ones frozen
-    for layer in backbone.layers[: len(backbone.layers) // 2]:
-        layer.trainable = False
-inputs = keras.Input((size, size, 3))
-model = keras.Model(inputs, keras.layers.Dense(1)(keras.layers.GlobalAveragePooling2D()(backbone(inputs))))
-model.compile(optimizer="sgd", loss="mse")
+sys.path.insert(0, sys.argv[6])
+import _measure
+model = _measure.applications_under_a_head(name, size, sys.argv[5])
 units = 0
 if mode != "plain":
     keras_recompute.recompute_model(model, enabled=True)
@@ -84,7 +76,8 @@ def main(argv=None):
         for mode, source in modes:
             path = os.pathsep.join(p for p in [source or _measure.ROOT, os.environ.get("PYTHONPATH", "")] if p)
             env = dict(os.environ, KERAS_BACKEND="tensorflow", TF_CPU_ALLOCATOR_USE_BFC="1", TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=path)
-            child = [sys.executable, "-c", CHILD, name, "plain" if mode == "plain" else "auto", str(args.batch), str(args.size), args.frozen]
+            here = os.path.dirname(os.path.abspath(__file__))
+            child = [sys.executable, "-c", CHILD, name, "plain" if mode == "plain" else "auto", str(args.batch), str(args.size), args.frozen, here]
             done = subprocess.run(child, env=env, capture_output=True, text=True, cwd="/")
             if done.returncode:
                 row[mode] = {"error": done.stderr.strip().splitlines()[-1][:200]}

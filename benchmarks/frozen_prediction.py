@@ -36,16 +36,7 @@ name, frozen, mode, batch, size, budget = sys.argv[1], sys.argv[2], sys.argv[3],
 sys.path.insert(0, sys.argv[7])
 import _measure
 torch = keras.backend.backend() == "torch"
-keras.utils.set_random_seed(0)
-backbone = getattr(keras.applications, name)(include_top=False, weights=None, input_shape=(size, size, 3))
-if frozen == "all":  # feature extraction: the backbone frozen, the head trained
-    backbone.trainable = False
-elif frozen == "lower_half":  # fine-tuning: the upper layers trained, the lower ones frozen
-    for layer in backbone.layers[: len(backbone.layers) // 2]:
-        layer.trainable = False
-inputs = keras.Input((size, size, 3))
-model = keras.Model(inputs, keras.layers.Dense(1)(keras.layers.GlobalAveragePooling2D()(backbone(inputs))))
-model.compile(optimizer="sgd", loss="mse")
+model = _measure.applications_under_a_head(name, size, frozen)
 x = np.random.RandomState(0).rand(batch, size, size, 3).astype("float32")
 y = np.random.RandomState(1).rand(batch, 1).astype("float32")
 if mode == "report":
