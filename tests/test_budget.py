@@ -846,6 +846,8 @@ def test_a_unit_no_gradient_reaches_keeps_nothing_and_stays_plain(frozen):
             assert set(row["kept_bytes"]) == ALL_OPTIONS and row["kept_bytes"]["none"] > 0, (i, row)
     trained = memory_report(frozen_prefix_model(0), X)
     assert report.predicted_peak < trained.predicted_peak
+    # A batch given as a tensor is not differentiated either: a step takes no gradient of it.
+    assert memory_report(frozen_prefix_model(frozen), keras.ops.convert_to_tensor(X)).predicted_peak == report.predicted_peak
     assert f"{frozen} units (" in str(report) and "no gradient reaches" in str(report) and not trained.unreached
     if frozen < 4:  # the least peak: every trained block fully recomputed, the frozen ones plain
         recompute_model(model, budget=report.floor, inputs=X, enabled=True)
