@@ -301,7 +301,7 @@ def costs(model, units, inputs, execution=COMPILED, below=True):
     measuring runs the units on the device, and extrapolated (NOTE [ measuring below the batch ]); without, it is
     measured as it is (an extrapolation kept from before is not taken for a measurement).
     """
-    key = cache_key(units, inputs, execution)
+    key = cache_key(model, units, inputs, execution)
     keys = (key, key + ("extrapolated",)) if below else (key,)
     for cached in (remembered(model, k) for k in keys):
         if cached is not None:
@@ -406,14 +406,16 @@ def _in_proportion(fitted, half, scale):
     return fitted.like(units)
 
 
-def cache_key(units, inputs, execution):
-    """What the costs of `units` depend on besides the model: the units, the inputs' shapes, the execution, and
-    which layers inside the units recompute now by their own decorators (a unit's "none" is measured with them,
-    NOTE [ units that hold decorated layers ] in `_model`)."""
+def cache_key(model, units, inputs, execution):
+    """What the costs of `units` depend on besides the model's values: the units, the inputs' shapes, the
+    execution, which layers inside the units recompute now by their own decorators (a unit's "none" is measured
+    with them, NOTE [ units that hold decorated layers ] in `_model`), and which weights train (a unit no gradient
+    reaches keeps nothing: NOTE [ a unit no gradient reaches ]; unfrozen, it is measured again)."""
     from keras_recompute._decorator import decorated_inside
 
     inside = tuple(tuple(decorated_inside(unit)) for unit in units)
-    return (tuple(id(unit) for unit in units), _signature(inputs), execution, inside)
+    trained = tuple(id(variable) for variable in model.trainable_variables)
+    return (tuple(id(unit) for unit in units), _signature(inputs), execution, inside, trained)
 
 
 def remembered(model, key):

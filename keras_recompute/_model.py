@@ -861,7 +861,7 @@ def _calibrated(model, units, inputs, costs, execution, offload=False):
     """
     if not units or not _memory.states_compiled_peak(model, execution):
         return costs
-    key = ("calibrated", _memory.cache_key(units, inputs, execution), offload)
+    key = ("calibrated", _memory.cache_key(model, units, inputs, execution), offload)
     cached = _memory.remembered(model, key)
     if cached is not None:
         return cached

@@ -852,6 +852,11 @@ def test_a_unit_no_gradient_reaches_keeps_nothing_and_stays_plain(frozen):
     if frozen < 4:  # the least peak: every trained block fully recomputed, the frozen ones plain
         recompute_model(model, budget=report.floor, inputs=X, enabled=True)
         assert [row["policy"] for row in memory_report(model, X).rows][:frozen] == ["none"] * frozen
+    for layer in model.layers:  # unfrozen (fine-tuning's second phase): measured again, not read from what was kept
+        layer.trainable = True
+    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    unfrozen = memory_report(model, X)
+    assert not unfrozen.unreached and all(row["kept_bytes"]["none"] > 0 for row in unfrozen.rows), unfrozen.rows
     for row in memory_report(frozen_prefix_model(frozen, stem_frozen=False), X).rows:
         assert set(row["kept_bytes"]) == ALL_OPTIONS and row["kept_bytes"]["none"] > 0, row
     if BACKEND == "tensorflow":  # an eager tape records the frozen blocks: they keep what they read
