@@ -626,8 +626,9 @@ def _record(model, units, inputs, backend):
             "pass inputs= as the model takes them in training."
         )
     after = [model] + _context.sublayers(model)
-    if [id(layer) for layer in after] != [id(layer) for layer in layers] or _trained_owners(after) != owners:
-        # Layers made or built by this first call were not watched: every unit counts as reached, as before.
+    if [id(layer) for layer in after] != [id(layer) for layer in layers] or _trained_owners(after) != owners or not owners:
+        # Layers made or built by this first call were not watched, or nothing trains (no step to plan: its units
+        # are measured as a gradient would reach them): every unit counts as reached, as before.
         reached, unreached_forward = {id(unit) for unit in units}, [0]
     # What the loss's backward holds on the outputs: measured on PyTorch, counted on TensorFlow's graph.
     loss = backend.loss_peak(outputs, model) if hasattr(backend, "loss_peak") else 0
@@ -654,8 +655,9 @@ def _record(model, units, inputs, backend):
 # every option keeps nothing, has no backward and costs no time (a plan leaves
 # it plain, "none" winning the tie), and the whole model is measured with its
 # inputs not differentiated, as the step has them. (Where that forward builds
-# layers, or makes new ones, which were not watched, every unit counts as
-# reached.) Such a step may peak in its forward, which the units' measures do
+# layers, or makes new ones, which were not watched, and where nothing in the
+# model trains (no step to plan; a report then says what each unit would
+# keep), every unit counts as reached.) Such a step may peak in its forward, which the units' measures do
 # not see: there, what a leaf layer's call held before any trained weight ran
 # (its arguments and outputs; the most of any), beside a unit's inputs (held
 # for a residual's sum). ResNet50 is now predicted at 235 MB (24% over; its
