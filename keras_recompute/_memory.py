@@ -190,7 +190,7 @@ def _unreached_line(names):
     """The report's line on the units no gradient reaches (NOTE [ a unit no gradient reaches ]), or `""`."""
     if not names:
         return ""
-    shown = ", ".join(names) if len(names) <= 3 else f"{names[0]} .. {names[-1]}"
+    shown = ", ".join(names) if len(names) <= 3 else f"{names[0]}, ..., {names[-1]}"  # a piece's name has a ".."
     return (
         f"{len(names)} unit{'s' if len(names) > 1 else ''} ({shown}) no gradient reaches in this step (frozen, with "
         "no trained weight before them): they keep nothing and stay plain. The plan is for the model as it stands: "
