@@ -233,6 +233,22 @@ def run(script, arguments, backend, low_mmap_threshold=False, extra_env=None, la
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def child(code, arguments, backend, source=ROOT):
+    """Runs `code` (a `python -c` script) in a fresh process, on `backend`, with `source` (a checkout's
+    `keras_recompute` folder's parent) first on its path; returns its last JSON line, or `{"error": ...}`.
+
+    Its arguments: `arguments`, then this folder (for `import _measure`). TensorFlow's allocator states
+    its figures (`TF_CPU_ALLOCATOR_USE_BFC=1`); it runs in `/`, so that `source` alone provides the library.
+    """
+    path = os.pathsep.join(p for p in [source, os.environ.get("PYTHONPATH", "")] if p)
+    env = dict(os.environ, KERAS_BACKEND=backend, TF_CPU_ALLOCATOR_USE_BFC="1", TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=path)
+    here = os.path.dirname(os.path.abspath(__file__))
+    done = subprocess.run([sys.executable, "-c", code, *map(str, arguments), here], env=env, capture_output=True, text=True, cwd="/")
+    if done.returncode:
+        return {"error": done.stderr.strip().splitlines()[-1][:200]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def _signal_name(returncode):
     """`SIGKILL` for a child killed by signal 9 (the kernel's out-of-memory killer), else ''."""
     try:

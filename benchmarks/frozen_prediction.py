@@ -20,9 +20,7 @@ python benchmarks/frozen_prediction.py --backend torch --size 96 --batch 16 --ou
 """
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -67,14 +65,7 @@ FROZEN = ["none", "all", "lower_half"]
 
 
 def _child(name, frozen, mode, args, source, budget=0):
-    path = os.pathsep.join(p for p in [source, os.environ.get("PYTHONPATH", "")] if p)
-    env = dict(os.environ, KERAS_BACKEND=args.backend, TF_CPU_ALLOCATOR_USE_BFC="1", TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=path)
-    here = os.path.dirname(os.path.abspath(__file__))
-    child = [sys.executable, "-c", CHILD, name, frozen, mode, str(args.batch), str(args.size), str(int(budget)), here]
-    done = subprocess.run(child, env=env, capture_output=True, text=True, cwd="/")
-    if done.returncode:
-        return {"error": done.stderr.strip().splitlines()[-1][:200]}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return _measure.child(CHILD, [name, frozen, mode, args.batch, args.size, int(budget)], args.backend, source)
 
 
 def main(argv=None):

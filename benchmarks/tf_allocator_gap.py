@@ -17,14 +17,13 @@ reports, for `fit`'s compiled step (SGD, MSE) with no recompute, `full` or
 With `--no-constant-folding`, Grappler's constant folding is off.
 
 ```
-python benchmarks/tf_allocator_gap.py --out benchmarks/results/tf_allocator_gap_mobilenetv2.json
+python benchmarks/tf_allocator_gap.py --models MobileNetV2 ResNet50 --out benchmarks/results/tf_allocator_gap.json
+python benchmarks/tf_allocator_gap.py --models MobileNetV2 --policies full --no-constant-folding --out benchmarks/results/tf_allocator_gap_no_folding.json
 ```
 """
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -88,15 +87,8 @@ POLICIES = ["none", "full", "save_dots"]
 
 
 def _child(name, policy, args):
-    env = dict(os.environ, KERAS_BACKEND="tensorflow", TF_CPU_ALLOCATOR_USE_BFC="1", TF_CPP_MIN_LOG_LEVEL="3")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in [_measure.ROOT, env.get("PYTHONPATH", "")] if p)
-    here = os.path.dirname(os.path.abspath(__file__))
-    fold = "0" if args.no_constant_folding else "1"
-    child = [sys.executable, "-c", CHILD, name, policy, str(args.batch), str(args.size), fold, here]
-    done = subprocess.run(child, env=env, capture_output=True, text=True, cwd="/")
-    if done.returncode:
-        return {"error": done.stderr.strip().splitlines()[-1][:200]}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    fold = 0 if args.no_constant_folding else 1
+    return _measure.child(CHILD, [name, policy, args.batch, args.size, fold], "tensorflow")
 
 
 def main(argv=None):
