@@ -498,6 +498,7 @@ def largest_fit(
             _policy.check(option, "largest_fit")
     batches = _fit.checked_inputs(make_inputs, sizes, axis, _flatten)
     units, pieces, execution, reason = _measuring_setup(model, blocks, execution, offload, "largest_fit")
+    _warn_allocator(model, execution, "largest_fit", stacklevel=3)
     with pieces.measuring() if pieces is not None else contextlib.nullcontext():
         # Below what stays resident at the smallest size, no plan fits: said before anything is measured or compiled
         # (a model not built yet is measured first: the fit below says it).
@@ -742,6 +743,7 @@ def _planned_policies(model, units, budget, inputs, execution, offload=False):
                 f"for this batch: the weights, optimizer and batch alone take {_budget.format_bytes(resident)}. "
                 "Train with a smaller batch, or allow more memory."
             )
+    _warn_allocator(model, execution, f"recompute_model(budget={budget!r})", stacklevel=4)
     costs = _calibrated_costs(model, units, inputs, execution, offload)
     if kind == "fraction":
         value = costs.peak(plain) - (1.0 - value) * costs.activation_bytes(plain)
@@ -756,6 +758,14 @@ def _planned_policies(model, units, budget, inputs, execution, offload=False):
             f"{_budget.format_bytes(costs.resident)}). Train with a smaller batch, or allow more memory."
         )
     return policies
+
+
+def _warn_allocator(model, execution, where, stacklevel):
+    """Warns, at the caller's line (`stacklevel`), where `model`'s step may peak above what planning predicts (NOTE
+    [ a CNN on TensorFlow's allocator ] in `_memory`): the line `memory_report` shows."""
+    line = _memory.allocator_line(model, execution)
+    if line:
+        warnings.warn(f"keras_recompute: {where}: {line}", stacklevel=stacklevel)
 
 
 def _checked_plan(costs, value, compiled, fallback=None, calibrated_here=True):

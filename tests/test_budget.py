@@ -15,6 +15,7 @@ import json
 import os
 import re
 import sys
+import warnings
 
 import keras
 import numpy as np
@@ -945,6 +946,19 @@ def test_a_cnn_compiled_on_tensorflow_is_reported_with_its_allocator_line():
     # A model with no convolution: its prediction held to a few percent, no line.
     dense = memory_report(blocks_model(), np.random.RandomState(0).standard_normal((4, 8, 16)).astype("float32"))
     assert not dense.allocator and "convolutional" not in str(dense), str(dense)
+    # Planning to a budget says it too, at the caller's line; a model with no convolution plans silently.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        recompute_model(conv_blocks_model(), budget=10**9, inputs=x, enabled=True)
+        recompute_model(blocks_model(), budget=10**9, inputs=np.zeros((4, 8, 16), "float32"), enabled=True)
+    said = [w for w in caught if "convolutional network" in str(w.message)]
+    assert len(said) == tensorflow, [str(w.message) for w in caught]
+    assert all(w.filename == __file__ and "recompute_model(budget=1000000000)" in str(w.message) for w in said), said
+    if tensorflow:
+        with pytest.warns(UserWarning, match="largest_fit: On TensorFlow a convolutional network") as fit_said:
+            _model.largest_fit(conv_blocks_model(), 10**9, lambda n: np.zeros((n, 8, 8, 8), "float32"),
+                                        options=["none"], plan=False)
+        assert {w.filename for w in fit_said if "convolutional" in str(w.message)} == {__file__}
 
 
 _LOSS_CHILD = r"""
