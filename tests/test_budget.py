@@ -918,7 +918,6 @@ def test_a_frozen_prefix_is_predicted_as_its_step_peaks(frozen):
     assert 0.9 * record["peak"] <= record["predicted"] <= 1.25 * record["peak"], record
 
 
-
 def conv_blocks_model(count=2, size=8, width=8):
     """Residual blocks of Conv2D, BatchNormalization and ReLU under a pooling head: a small CNN."""
     keras.utils.set_random_seed(0)
@@ -956,8 +955,9 @@ def test_a_cnn_compiled_on_tensorflow_is_reported_with_its_allocator_line():
     assert all(w.filename == __file__ and "recompute_model(budget=1000000000)" in str(w.message) for w in said), said
     if tensorflow:
         with pytest.warns(UserWarning, match="largest_fit: On TensorFlow a convolutional network") as fit_said:
-            _model.largest_fit(conv_blocks_model(), 10**9, lambda n: np.zeros((n, 8, 8, 8), "float32"),
-                                        options=["none"], plan=False)
+            _model.largest_fit(
+                conv_blocks_model(), 10**9, lambda n: np.zeros((n, 8, 8, 8), "float32"), options=["none"], plan=False
+            )
         assert {w.filename for w in fit_said if "convolutional" in str(w.message)} == {__file__}
 
 
