@@ -76,9 +76,9 @@ step(x, y)
 start = current()
 step(x, y)
 record["live"] = probes[-1] - start
-operations = step.get_concrete_function(x, y).graph.get_operations()
-forward = [i for i, op in enumerate(operations) if op.type == "EagerPyFunc"][0] + 1
 concrete = step.get_concrete_function(x, y)
+operations = concrete.graph.get_operations()
+forward = [i for i, op in enumerate(operations) if op.type == "EagerPyFunc"][0] + 1
 record["counted"] = backend._kept_bytes(operations, forward, concrete.outputs)[0]
 print(json.dumps(record))
 """
