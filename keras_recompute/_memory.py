@@ -204,23 +204,31 @@ def report(model, units, inputs, current, execution=None, offload=False):
 # graph, and Grappler kept an activation-sized constant between steps under
 # recompute; MobileNetV2's step peaked 1.10x its prediction plain and 1.36x
 # under "full" (1.26-1.36x at batch 8-32), ResNet50's 0.85x and 1.01x. A plan
-# for a budget can then go over it (MobileNetV2's by 10.5%). Until the units are
-# calibrated to the allocator's figures, as JAX's are to the compiler's, the
-# report says so where it applies: TensorFlow, a compiled step, a layer whose
-# class is a convolution's.
+# for a budget can then go over it (MobileNetV2's by 10.5%). Where the allocator
+# keeps figures, the units are calibrated to them, as JAX's are to the
+# compiler's (NOTE [ calibrating a CNN to TensorFlow's allocator ] in
+# `backends/tensorflow.py`); where it keeps none (the CPU's default allocator)
+# the report says so where it applies: TensorFlow, a compiled step, a layer
+# whose class is a convolution's.
 def allocator_line(model, execution):
     """The report's line on a convolutional network's compiled step on TensorFlow (NOTE [ a CNN on TensorFlow's
     allocator ]), or `""`."""
     if execution != COMPILED or _module_name(_measuring_backend(model)) != "tensorflow":
         return ""
-    if not any(_is_convolution(layer) for layer in [model] + _context.sublayers(model)):
+    if not _has_convolution(model) or states_compiled_peak(model, execution):  # calibrated: its step was run
         return ""
     return (
         "On TensorFlow a convolutional network's step can peak above this prediction: its allocator held 12-26% more "
         "than the tensors the backward reads, and MobileNetV2's step under 'full' peaked 1.36x its prediction "
-        "(docs/benchmarks.md, \"TensorFlow's allocator against the planner's count\"). Give budget= about 70% of the "
-        "memory, or run the plan's step once and read tf.config.experimental.get_memory_info."
+        "(docs/benchmarks.md, \"TensorFlow's allocator against the planner's count\"). Where the allocator keeps "
+        "figures (a GPU; on a CPU, TF_CPU_ALLOCATOR_USE_BFC=1 set before TensorFlow starts) the planner runs the step "
+        "and calibrates to them; here, give budget= about 70% of the memory."
     )
+
+
+def _has_convolution(model):
+    """Whether `model` or a layer in it is a convolution (`_is_convolution`)."""
+    return any(_is_convolution(layer) for layer in [model] + _context.sublayers(model))
 
 
 def _is_convolution(layer):
@@ -303,8 +311,15 @@ def execution_of(model, execution, where):
 
 
 def states_compiled_peak(model, execution=COMPILED):
-    """Whether `compiled_peak` gives a figure for `model`'s step under `execution` (compiled, on JAX)."""
-    return execution == COMPILED and hasattr(_measuring_backend(model), "step_bytes")
+    """Whether `compiled_peak` gives a figure for `model`'s step under `execution`: compiled, on JAX (the compiler
+    states it), or a convolutional network on TensorFlow where the allocator keeps figures (NOTE [ calibrating a CNN
+    to TensorFlow's allocator ] in `backends/tensorflow.py`)."""
+    backend = _measuring_backend(model)
+    if execution != COMPILED or not hasattr(backend, "step_bytes"):
+        return False
+    if _module_name(backend) == "tensorflow":
+        return _has_convolution(model) and backend.states_step_bytes(model)
+    return True
 
 
 def compiler_scratch(model, execution=COMPILED):
@@ -328,7 +343,8 @@ def resident_unmeasured(model, inputs):
 
 
 def compiled_peak(model, inputs, measured, execution=COMPILED):
-    """The peak of a step of `model` as it stands, where a compiler states it (JAX), else None.
+    """The peak of a step of `model` as it stands, where a compiler states it (JAX) or its step is run for the
+    allocator's figures (a CNN on TensorFlow: `states_compiled_peak`), else None.
 
     NOTE [ checking a plan on JAX ] in `backends/jax.py`. None for an eager step.
     """

@@ -848,7 +848,8 @@ def _compiled_peak_of(model, units, policies, inputs, costs, execution, offload=
 
 
 def _calibrated(model, units, inputs, costs, execution, offload=False):
-    """`costs` moved to the compiler's figures, where a compiler states a step's peak (JAX); else `costs`.
+    """`costs` moved to the compiler's figures, where a compiler states a step's peak (JAX) or the allocator's figures
+    stand in for it (a CNN on TensorFlow: NOTE [ calibrating a CNN to TensorFlow's allocator ]); else `costs`.
 
     NOTE [ calibrating the units to the compiler ]
     The units' residuals are what the autodiff keeps; XLA's program keeps
