@@ -1237,16 +1237,27 @@ def step_bytes(model, inputs):
     keeps figures (a GPU; the CPU with `TF_CPU_ALLOCATOR_USE_BFC=1`), such a
     model's step is run: a `tf.function` as Keras's trainer's (the model
     called in training under a tape, a stand-in loss on its outputs, the
-    optimizer's update), traced and run once, then run twice more; its figure
-    is the larger of those two peaks above what the allocator held before the
-    first (what the step keeps between steps counts: Grappler's constant).
+    optimizer's update), traced and run once, then run three times more; its
+    figure is the largest of those peaks above what the allocator held before
+    the first (what the step keeps between steps counts: Grappler's
+    constant). The peak varies from run to run of one step (by 8% on a small
+    MobileNetV2) and from one trace to the next (MobileNetV2 under "full" at
+    batch 16: 248 and 279 MB, 2026-12-02).
     Every variable and optimizer slot is copied to the host first and put
     back after: the model and its optimizer are as they were. Not at the
     batch itself, which may not fit, where the batch can be cut (NOTE
     [ measuring below the batch ] in `_memory`): at a quarter and at a half of
-    it, extrapolated along the line through them, never below the half's.
+    it, extrapolated along the line through them, and never below the half's
+    in proportion to the batch: the peaks grew faster than the batch (a
+    MobileNetV2 of width 0.35 at 64x64 under "full": 8.1, 15.0 and 34.8 MB at
+    4, 8 and 16 rows, where the line through 4 and 8 reads 28.8 at 16).
     The planner calibrates its units to these figures and checks mixed plans
     with them (NOTE [ calibrating the units to the compiler ] in `_model`).
+    Only a convolutional network's: a transformer's count is the allocator's
+    to a few percent, and a language model's step peaks at its loss on the
+    logits, where a stand-in loss is not the user's (calibrating keras-hub
+    Gemma so, tried on 2026-11-27, answered past what fits: docs/benchmarks.md,
+    "The largest fit").
     """
     from keras_recompute import _memory  # the planner's module imports the backends
 
@@ -1255,7 +1266,10 @@ def step_bytes(model, inputs):
         return _step_bytes_at(model, inputs)
     batch, (quarter, half), parts = below
     low, high = (_step_bytes_at(model, part) for part in parts)
-    return max(high, round(high + (high - low) * (batch - half) / (half - quarter)))
+    return round(max(high + (high - low) * (batch - half) / (half - quarter), high * batch / half))
+
+
+_STEP_RUNS = 3  # its peak varies from run to run of one step (a small MobileNetV2's by 8%): the largest is taken
 
 
 def _step_bytes_at(model, inputs):
@@ -1274,7 +1288,7 @@ def _step_bytes_at(model, inputs):
     def step(values):
         with tf.GradientTape() as tape:
             outputs = [o for o in tf.nest.flatten(model(values, **kwargs)) if _is_differentiable(o)]
-            loss = tf.add_n([_stand_in_loss(output) for output in outputs])
+            loss = tf.add_n([_stand_in_loss(output) for output in outputs]) if outputs else tf.zeros(())
         gradients = tape.gradient(loss, trainable)
         pairs = [(g, v) for g, v in zip(gradients, trainable) if g is not None]
         if optimizer is not None and pairs:
@@ -1286,7 +1300,7 @@ def _step_bytes_at(model, inputs):
         step = tf.function(step).get_concrete_function(values)  # its function traced once (no retracing warning)
         step(values)  # run: what it keeps between steps is made
         peaks = []
-        for _ in range(2):
+        for _ in range(_STEP_RUNS):
             allocator_peak(reset=True)
             step(values)
             peaks.append(allocator_peak())
