@@ -1247,10 +1247,14 @@ def step_bytes(model, inputs):
     back after: the model and its optimizer are as they were. Not at the
     batch itself, which may not fit, where the batch can be cut (NOTE
     [ measuring below the batch ] in `_memory`): at a quarter and at a half of
-    it, extrapolated along the line through them, and never below the half's
-    in proportion to the batch: the peaks grew faster than the batch (a
-    MobileNetV2 of width 0.35 at 64x64 under "full": 8.1, 15.0 and 34.8 MB at
-    4, 8 and 16 rows, where the line through 4 and 8 reads 28.8 at 16).
+    it, extrapolated along the line through them (never below the half's).
+    A line, not a proportion: without oneDNN, TensorFlow's convolutions hold
+    a scratch of a fixed size (36 MB on 4 blocks of 32 channels at 32x32: 46,
+    56 and 78 MB at 8, 16 and 32 rows; twice the half's read 112). Where the
+    peaks grow faster than the batch the line reads low: MobileNetV2 under
+    "full" at 128x128, 119, 248 and 515 MB at 8, 16 and 32 rows, the line
+    506; a MobileNetV2 of width 0.35 at 64x64, 8.1, 15.0 and 34.8 MB at 4, 8
+    and 16 rows, the line 28.8.
     The planner calibrates its units to these figures and checks mixed plans
     with them (NOTE [ calibrating the units to the compiler ] in `_model`).
     Only a convolutional network's: a transformer's count is the allocator's
@@ -1266,7 +1270,7 @@ def step_bytes(model, inputs):
         return _step_bytes_at(model, inputs)
     batch, (quarter, half), parts = below
     low, high = (_step_bytes_at(model, part) for part in parts)
-    return round(max(high + (high - low) * (batch - half) / (half - quarter), high * batch / half))
+    return round(max(high, high + (high - low) * (batch - half) / (half - quarter)))
 
 
 _STEP_RUNS = 3  # its peak varies from run to run of one step (a small MobileNetV2's by 8%): the largest is taken
