@@ -1014,10 +1014,10 @@ def test_a_cnn_is_planned_with_its_step_run_where_the_allocator_keeps_figures(fr
     assert record["runs"] and set(record["runs"]) == {8, 16}, record  # never the batch itself: it may not fit
     assert not record["changed"] and not record["line"], record
     assert any(p != "none" for p in record["plan"]), record
-    assert record["peak"] <= 1.1 * record["budget"], record  # 0.81-1.00x here: the allocator's spread (below)
-    # Extrapolated from steps of 8 and 16 rows whose peaks vary by several percent from run to run and trace to trace,
-    # never below the half's in proportion: 0.93-1.23x the step's peak here, two children at once or one alone
-    # (2026-12-02). Within the allocator's spread; a figure of half the step's bytes fails it.
+    assert record["peak"] <= 1.1 * record["budget"], record  # 0.89-0.98x here: the allocator's spread (below)
+    # Extrapolated from steps of 8 and 16 rows whose peaks vary by several percent from run to run and trace to trace:
+    # 0.95-1.06x the step's peak here, with oneDNN and without, beside a CI run (2026-12-02). Within the allocator's
+    # spread; a figure of half the step's bytes fails it.
     assert 0.85 * record["peak"] <= record["predicted"] <= 1.35 * record["peak"], record
 
 
