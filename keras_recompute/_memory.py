@@ -945,9 +945,15 @@ def _torch_update_factor(optimizer):
 
 def _optimizer_bytes(model):
     """The optimizer's variables, built as the first training step would build them (Adam: two per weight)."""
+    return _variable_bytes(optimizer_variables(model))
+
+
+def optimizer_variables(model):
+    """`model`'s optimizer's variables (none without one), the optimizer built first as the first training step
+    would build it."""
     optimizer = getattr(model, "optimizer", None)
     if optimizer is None:
-        return 0
+        return []
     weights = model.trainable_variables
     built = getattr(optimizer, "built", None)
     built = getattr(optimizer, "_built", False) if built is None else built  # tf_keras's: `_built`, set by build
@@ -959,5 +965,4 @@ def _optimizer_bytes(model):
     except Exception:  # e.g. outside the distribution strategy it was made in: counted as it stands
         pass
     variables = getattr(optimizer, "variables", [])
-    variables = variables() if callable(variables) else variables
-    return _variable_bytes(variables)
+    return list(variables() if callable(variables) else variables)

@@ -1280,10 +1280,8 @@ def _step_bytes_at(model, inputs):
     """`step_bytes` of `model` at `inputs`, its step run there."""
     from keras_recompute import _memory
 
-    _memory._optimizer_bytes(model)  # the optimizer built, as the first training step builds it
     optimizer = getattr(model, "optimizer", None)
-    slots = [] if optimizer is None else getattr(optimizer, "variables", [])
-    state = list(model.variables) + list(slots() if callable(slots) else slots)
+    state = list(model.variables) + _memory.optimizer_variables(model)  # the optimizer built, as a first step builds it
     saved = [variable.numpy() for variable in state]
     values = tf.nest.map_structure(tf.convert_to_tensor, inputs)
     trainable = model.trainable_variables
