@@ -317,9 +317,7 @@ def states_compiled_peak(model, execution=COMPILED):
     backend = _measuring_backend(model)
     if execution != COMPILED or not hasattr(backend, "step_bytes"):
         return False
-    if _module_name(backend) == "tensorflow":
-        return _has_convolution(model) and backend.states_step_bytes(model)
-    return True
+    return backend.states_step_bytes(model) if hasattr(backend, "states_step_bytes") else True
 
 
 def compiler_scratch(model, execution=COMPILED):

@@ -1216,9 +1216,11 @@ def allocator_peak(reset=False):
 
 
 def states_step_bytes(model):
-    """Whether `step_bytes` measures `model`'s step: where the allocator keeps figures and no distribution strategy
-    holds the weights (NOTE [ calibrating a CNN to TensorFlow's allocator ])."""
-    if allocator_peak() is None or tf.distribute.has_strategy():
+    """Whether `step_bytes` measures `model`'s step: a convolutional network's, where the allocator keeps figures and
+    no distribution strategy holds the weights (NOTE [ calibrating a CNN to TensorFlow's allocator ])."""
+    from keras_recompute import _memory
+
+    if not _memory._has_convolution(model) or allocator_peak() is None or tf.distribute.has_strategy():
         return False
     return not any(isinstance(_tf_variable(v), tf.distribute.DistributedValues) for v in model.variables)
 
