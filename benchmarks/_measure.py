@@ -212,25 +212,13 @@ def run(script, arguments, backend, low_mmap_threshold=False, extra_env=None, la
     `label` is shown, with a spinner and the time so far, while the child runs
     (on a terminal; logs get nothing).
     """
-    env = dict(
-        os.environ,
-        KERAS_BACKEND=backend,
-        TF_CPU_ALLOCATOR_USE_BFC="1",
-        TF_CPP_MIN_LOG_LEVEL="3",
-        PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
-    )
+    env = _child_env(backend, ROOT)
     env.update(extra_env or {})
     if low_mmap_threshold:
         env["MALLOC_MMAP_THRESHOLD_"] = "131072"
     with _console().status(f"{os.path.basename(script)}: {label or ' '.join(map(str, arguments))}"):
         done = subprocess.run([sys.executable, script, *map(str, arguments)], env=env, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        lines = [line.strip() for line in done.stderr.strip().splitlines() if line.strip()]
-        # The exception's own line ("...ResourceExhaustedError: ..."), not a traceback frame.
-        raised = re.compile(r"^[\w.]*(Error|Exception|Exhausted)\b")
-        message = next((line for line in reversed(lines) if raised.match(line)), lines[-1] if lines else "")
-        return {"error": message[:160] or f"exit {done.returncode} ({_signal_name(done.returncode)})"}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return _last_json(done)
 
 
 def child(code, arguments, backend, source=ROOT):
@@ -240,12 +228,28 @@ def child(code, arguments, backend, source=ROOT):
     Its arguments: `arguments`, then this folder (for `import _measure`). TensorFlow's allocator states
     its figures (`TF_CPU_ALLOCATOR_USE_BFC=1`); it runs in `/`, so that `source` alone provides the library.
     """
-    path = os.pathsep.join(p for p in [source, os.environ.get("PYTHONPATH", "")] if p)
-    env = dict(os.environ, KERAS_BACKEND=backend, TF_CPU_ALLOCATOR_USE_BFC="1", TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=path)
     here = os.path.dirname(os.path.abspath(__file__))
-    done = subprocess.run([sys.executable, "-c", code, *map(str, arguments), here], env=env, capture_output=True, text=True, cwd="/")
-    if done.returncode:
-        return {"error": done.stderr.strip().splitlines()[-1][:200]}
+    done = subprocess.run(
+        [sys.executable, "-c", code, *map(str, arguments), here], env=_child_env(backend, source), capture_output=True, text=True, cwd="/"
+    )
+    return _last_json(done)
+
+
+def _child_env(backend, source):
+    """A measuring child's environment: `backend`, TensorFlow's allocator stating its figures, its logs quiet, and
+    `source` (a checkout's `keras_recompute` folder's parent) first on its path."""
+    path = os.pathsep.join(p for p in [source, os.environ.get("PYTHONPATH", "")] if p)
+    return dict(os.environ, KERAS_BACKEND=backend, TF_CPU_ALLOCATOR_USE_BFC="1", TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=path)
+
+
+def _last_json(done):
+    """A finished child's last line of output as JSON; where it failed, `{"error": ...}` with the exception's own
+    line ("...ResourceExhaustedError: ..."), not a traceback frame, or its exit status and signal."""
+    if done.returncode != 0:
+        lines = [line.strip() for line in done.stderr.strip().splitlines() if line.strip()]
+        raised = re.compile(r"^[\w.]*(Error|Exception|Exhausted)\b")
+        message = next((line for line in reversed(lines) if raised.match(line)), lines[-1] if lines else "")
+        return {"error": message[:200] or f"exit {done.returncode} ({_signal_name(done.returncode)})"}
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
