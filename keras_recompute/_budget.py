@@ -285,11 +285,12 @@ class Model:
         self.scratch = int(scratch)
         self.outputs_held = int(outputs_held)
 
-    def like(self, units, scratch=None):
-        """A model of other units (and `scratch`, where given), everything else as this one."""
+    def like(self, units, scratch=None, update=None):
+        """A model of other units (and `scratch` and `update`, where given), everything else as this one."""
         return Model(
-            units, self.resident, self.outside, self.outside_gradient_bytes, self.update, self.applied_as_made, self.loss,
-            self.forward_held, self.scratch if scratch is None else scratch, self.outputs_held,
+            units, self.resident, self.outside, self.outside_gradient_bytes, self.update if update is None else update,
+            self.applied_as_made, self.loss, self.forward_held, self.scratch if scratch is None else scratch,
+            self.outputs_held,
         )
 
     def peak(self, choice):

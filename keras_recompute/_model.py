@@ -865,7 +865,11 @@ def _calibrated(model, units, inputs, costs, execution, offload=False):
     a shift: it stays smooth in the size, where a shift clamped at 0 bent the
     fitted curves along the sequence. What every compiled step holds whatever
     its size (a GPU's matrix-product workspace: NOTE [ the compiler's scratch ]
-    in `backends/jax.py`) is no unit's: it is counted once, outside the scale.
+    in `backends/jax.py`) is no unit's: it is counted once, outside the scale;
+    nor is the optimizer's update, which is the compiler's before anything is
+    scaled (NOTE [ the compiler's update ] in `backends/jax.py`: counted as
+    Keras runs it op by op, it was above the whole compiled step at small
+    batches, and the units were scaled to nothing there).
     Every uniform plan's predicted peak is then the compiler's; a mixed plan's is
     interpolated between them, and checked by compiling it
     (`_planned_policies`, `largest_fit`).
@@ -877,6 +881,9 @@ def _calibrated(model, units, inputs, costs, execution, offload=False):
     if cached is not None:
         return cached
     count = len(units)
+    backend = _memory._measuring_backend(model)
+    if hasattr(backend, "update_bytes") and costs.update:  # XLA fuses the update (NOTE [ the compiler's update ])
+        costs = costs.like(costs.units, update=backend.update_bytes(model))
     uniform = _uniform_options(costs)
     actuals = {}
     for option in uniform:

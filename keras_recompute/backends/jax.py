@@ -589,6 +589,44 @@ def step_bytes(model, inputs):
     return compiled.memory_analysis().temp_size_in_bytes
 
 
+def update_bytes(model):
+    """The temporary bytes XLA assigns to the optimizer's update of `model`'s weights alone, or 0 without one.
+
+    NOTE [ the compiler's update ]
+    Counted as Keras runs it op by op, an update allocates twice the largest
+    weight at once (`_memory._update_bytes`); XLA fuses Adam's elementwise
+    update into the weights and slots the step donates, and assigns it no
+    temporaries: 68 bytes for keras-hub BERT small's, where the count said
+    62.5 MB (its 30522 x 256 embedding, twice; CPU, 2026-12-02). With it, the
+    count's step at batch 0 (241.2 MB) was above the whole compiled plain step
+    at batches 1 and 2 (190.5 and 209.4 MB): calibrating scaled the units to
+    almost nothing below batch 8 and not at 8, and `largest_fit`'s fitted
+    answers were up to 10x what the compiled steps allowed (619 where 61 fit;
+    NOTE [ calibrating the units to the compiler ] in `_model`). So
+    where the compiler states the step's peak, the update is the compiler's:
+    the update alone, compiled (not run) with the state donated as the
+    trainer donates it, the gradients `jax.ShapeDtypeStruct`s.
+    """
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None:
+        return 0
+    if not optimizer.built:
+        optimizer.build(model.trainable_variables)  # as the first training step builds it
+    trainable = [v.value for v in model.trainable_variables]
+    slots = [v.value for v in optimizer.variables]
+    gradients = [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in trainable]
+
+    def update(state, gradients):
+        trainable, slots = state
+        trainable, slots = optimizer.stateless_apply(slots, gradients, trainable)
+        return trainable, slots
+
+    with warnings.catch_warnings():  # state the update does not write (a frozen weight's slots) is not donated
+        warnings.simplefilter("ignore", UserWarning)
+        compiled = compiled_for_memory(jax.jit(update, donate_argnums=0).lower((trainable, slots), gradients))
+    return int(compiled.memory_analysis().temp_size_in_bytes)
+
+
 # XLA's figures are its buffer assignment, which its HLO passes make before any code is generated; how far LLVM
 # then optimizes the code changes none of it. Compiling was two thirds of `largest_fit`'s time on a 2-core CPU
 # (tests/test_fit.py's six blocks of 64, 296 of 439 s); unoptimized, eight of its steps compiled in 28.6 s against
