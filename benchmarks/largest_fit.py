@@ -273,7 +273,8 @@ def main(argv=None):
         return _measure.run(script, arguments, backend, extra_env=extra_env, label=f"{option} at {size}{where}")
 
     for row in predicted["rows"]:
-        keys = ("option", "largest", "predicted_peak", "next_peak", "residual", "policies", "note", "largest_tensor")
+        keys = ("option", "largest", "predicted_peak", "next_peak", "residual", "policies", "note", "largest_tensor",
+                "fitted_largest")
         record = {key: row.get(key) for key in keys}
         spare = row.get("largest_tensor") or 0
         if args.verify and row.get("largest"):
