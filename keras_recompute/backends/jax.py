@@ -559,12 +559,8 @@ def step_bytes(model, inputs):
     plain and 12% over it recomputed. The planner checks its plan with it,
     the report predicts with it, and `largest_fit` fits it.
     """
-    trainable = [v.value for v in model.trainable_variables]
+    optimizer, trainable, slots = _trained_state(model)
     other = [v.value for v in model.non_trainable_variables]
-    optimizer = getattr(model, "optimizer", None)
-    if optimizer is not None and not optimizer.built:
-        optimizer.build(model.trainable_variables)  # as the first training step builds it
-    slots = None if optimizer is None else [v.value for v in optimizer.variables]
     structure = jax.tree_util.tree_structure(inputs)
     leaves = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in jax.tree_util.tree_leaves(inputs)]
 
@@ -607,13 +603,9 @@ def update_bytes(model):
     the update alone, compiled (not run) with the state donated as the
     trainer donates it, the gradients `jax.ShapeDtypeStruct`s.
     """
-    optimizer = getattr(model, "optimizer", None)
+    optimizer, trainable, slots = _trained_state(model)
     if optimizer is None:
         return 0
-    if not optimizer.built:
-        optimizer.build(model.trainable_variables)  # as the first training step builds it
-    trainable = [v.value for v in model.trainable_variables]
-    slots = [v.value for v in optimizer.variables]
     gradients = [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in trainable]
 
     def update(state, gradients):
@@ -625,6 +617,16 @@ def update_bytes(model):
         warnings.simplefilter("ignore", UserWarning)
         compiled = compiled_for_memory(jax.jit(update, donate_argnums=0).lower((trainable, slots), gradients))
     return int(compiled.memory_analysis().temp_size_in_bytes)
+
+
+def _trained_state(model):
+    """`(optimizer, trainable values, slot values)` as a training step takes them (slots None without an optimizer),
+    the optimizer built first as the first training step builds it."""
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and not optimizer.built:
+        optimizer.build(model.trainable_variables)
+    slots = None if optimizer is None else [v.value for v in optimizer.variables]
+    return optimizer, [v.value for v in model.trainable_variables], slots
 
 
 # XLA's figures are its buffer assignment, which its HLO passes make before any code is generated; how far LLVM
