@@ -101,21 +101,6 @@ def is_layer(obj):
     return all(hasattr(obj, attribute) for attribute in ("_flatten_layers", "trainable_weights", "non_trainable_weights"))
 
 
-@contextlib.contextmanager
-def instance_attribute(obj, name, value):
-    """Within it, `obj.name` is `value` on the instance (a method patched, an attribute changed)."""
-    had_own = name in obj.__dict__
-    previous = obj.__dict__.get(name)
-    object.__setattr__(obj, name, value)
-    try:
-        yield
-    finally:
-        if had_own:
-            object.__setattr__(obj, name, previous)
-        else:
-            obj.__dict__.pop(name, None)
-
-
 def children(layer):
     """A Keras 3 or tf_keras layer's direct sub-layers, in the order it tracks them."""
     from keras_recompute.backends import _keras3

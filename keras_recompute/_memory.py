@@ -44,7 +44,7 @@ import re
 import sys
 import time
 
-from keras_recompute import _budget, _context, _policy
+from keras_recompute import _budget, _context, _patch, _policy
 
 EAGER = "eager"
 COMPILED = "compiled"
@@ -581,7 +581,7 @@ def _measure_options(unit, args, kwargs, backend, base, recompute_grad, executio
     measured, reads, steps = {}, {}, {}
     for option in options_of(unit):
         call = base if option == _budget.NONE else recompute_grad(base, enabled=True, policy=option)
-        with _context.instance_attribute(unit, "call", call):
+        with _patch.instance_attribute(unit, "call", call):
             kept, largest, step, reads[option] = backend.measure_unit(unit, args, kwargs, option, execution=execution)
         measured[option] = (kept, largest)
         steps[option] = _patched(unit, call, step)
@@ -599,7 +599,7 @@ def _measure_options(unit, args, kwargs, backend, base, recompute_grad, executio
 
 def _patched(unit, call, step):
     def run():
-        with _context.instance_attribute(unit, "call", call):
+        with _patch.instance_attribute(unit, "call", call):
             step()
 
     return run
@@ -671,10 +671,10 @@ def _record(model, units, inputs, backend):
             leaf = not _context.children(layer)
             if id(layer) in owners or leaf:
                 marker = _marker(layer, layer.call, trained, id(layer) in owners, unreached_forward if leaf else None)
-                stack.enter_context(_context.instance_attribute(layer, "call", marker))
+                stack.enter_context(_patch.instance_attribute(layer, "call", marker))
         for unit in units:
             recorder = _recorder(unit, unit.call, records, reached, trained)
-            stack.enter_context(_context.instance_attribute(unit, "call", recorder))
+            stack.enter_context(_patch.instance_attribute(unit, "call", recorder))
         with _no_gradient(backend):
             outputs = model(inputs, **_keras3.training_kwargs(model))  # as Keras's trainer calls it
     missing = [unit_name(unit) for unit in units if id(unit) not in records]
@@ -829,7 +829,7 @@ def _whole_model_kept(model, units, inputs, backend, undecorated, recompute_grad
     with contextlib.ExitStack() as stack:
         for unit in units:
             full = recompute_grad(undecorated(unit.call), enabled=True, policy=_policy.FULL)
-            stack.enter_context(_context.instance_attribute(unit, "call", full))
+            stack.enter_context(_patch.instance_attribute(unit, "call", full))
         training = _keras3.training_kwargs(model)  # as Keras's trainer calls it
         return backend.measure_unit(
             model, (inputs,), training, _policy.FULL, timed=False, execution=execution, differentiated=differentiated

@@ -30,7 +30,7 @@ import math
 import sys
 import warnings
 
-from keras_recompute import _budget, _config, _context, _fit, _memory, _policy
+from keras_recompute import _budget, _config, _context, _fit, _memory, _patch, _policy
 from keras_recompute._decorator import _undecorated, decorated_inside, decorated_policy, recompute_grad
 from keras_recompute._errors import RecomputeError
 
@@ -843,7 +843,7 @@ def _compiled_peak_of(model, units, policies, inputs, costs, execution, offload=
         for unit, policy in zip(units, policies):
             base = _undecorated(unit.call)
             call = base if policy == _budget.NONE else recompute_grad(base, enabled=True, policy=policy, offload=offload)
-            stack.enter_context(_context.instance_attribute(unit, "call", call))
+            stack.enter_context(_patch.instance_attribute(unit, "call", call))
         return _memory.compiled_peak(model, inputs, costs, execution)
 
 

@@ -33,7 +33,7 @@ import inspect
 import threading
 import types
 
-from keras_recompute import _context
+from keras_recompute import _context, _patch
 
 FULL = "full"
 SAVE_DOTS = "save_dots"
@@ -185,7 +185,7 @@ def cores_recomputed(layers, recompute, check, offload=False):
             name = core_method(layer)
             before = layer.__dict__.get(name, _ABSENT)  # the instance's own method, if it had one
             core = _recomputed_core(layer, name, recompute, check, offload)
-            stack.enter_context(_context.instance_attribute(layer, name, core))
+            stack.enter_context(_patch.instance_attribute(layer, name, core))
             patched.append((layer, name, before, core))
         active = _active_cores()
         _STATE.cores = getattr(_STATE, "cores", 0) + 1

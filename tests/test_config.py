@@ -130,3 +130,29 @@ def test_import_imports_no_framework():
         "assert not loaded, loaded\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_keras_adapters_import_only_what_lies_below_them():
+    """The Keras flavours' adapters (docs/design.md, "Shape") import only each other and the modules below them,
+    anywhere in their source (a function's own import included): `_context` and the backends import them, never
+    the other way (`_tf_keras` once imported `_context` for one helper, now in `_patch`)."""
+    import ast
+    import os
+
+    package = os.path.dirname(keras_recompute.__file__)
+    adapters = {"_keras3", "_tf_keras", "_keras2", "_tf_keras_builtin"}
+    below = {"keras_recompute._errors", "keras_recompute._patch", "keras_recompute.backends._tf_private"}
+    allowed = below | {"keras_recompute.backends." + name for name in adapters}
+    for name in sorted(adapters) + ["_tf_private"]:
+        with open(os.path.join(package, "backends", name + ".py"), encoding="utf-8") as source:
+            tree = ast.parse(source.read())
+        imported = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                # `from keras_recompute.backends import _keras2` names the module imported.
+                imported |= {node.module + "." + alias.name if node.module in ("keras_recompute", "keras_recompute.backends")
+                             else node.module for alias in node.names}
+        ours = {module for module in imported if module.split(".")[0] == "keras_recompute"}
+        assert ours <= (below if name == "_tf_private" else allowed), (name, sorted(ours - allowed))

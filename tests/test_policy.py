@@ -356,14 +356,14 @@ def test_no_policy_seeds_or_moves_a_generator_of_torch(policy, monkeypatch):
 
 @pytest.mark.skipif(BACKEND != "torch", reason="PyTorch's dispatched ops")
 def test_the_kept_dropout_masks_are_a_bit_an_element():
-    from keras_recompute import _context
+    from keras_recompute import _patch
     from keras_recompute.backends import torch as torch_backend
 
     layer = block()
     kept = {}
     for policy in ("full", "save_dots"):
         call = recompute_grad(layer.call, enabled=True, policy=policy)
-        with _context.instance_attribute(layer, "call", call):
+        with _patch.instance_attribute(layer, "call", call):
             kept[policy] = torch_backend.measure_unit(layer, (X,), {"training": True}, policy, timed=False)[0]
     # save_dots keeps the outputs of the six weight matmuls (query, key, value: 2 x 6 x 2 x 8; output,
     # down: 2 x 6 x 16; up: 2 x 6 x 32) and the two dropout masks (144 and 384 elements), packed.

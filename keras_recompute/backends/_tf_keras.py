@@ -51,7 +51,7 @@ import threading
 
 import tensorflow as tf
 
-from keras_recompute import _context
+from keras_recompute import _patch
 from keras_recompute._errors import RecomputeError
 
 _local = threading.local()
@@ -647,7 +647,7 @@ def rebuild_graph_outputs(model):
     run_internal_graph = type(model)._run_internal_graph
 
     def run_with_own_outputs(*args, **kwargs):
-        with _context.instance_attribute(model, "outputs", original):
+        with _patch.instance_attribute(model, "outputs", original):
             return run_internal_graph(model, *args, **kwargs)
 
     object.__setattr__(model, "_run_internal_graph", run_with_own_outputs)

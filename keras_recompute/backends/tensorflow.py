@@ -40,7 +40,7 @@ import threading
 
 import tensorflow as tf
 
-from keras_recompute import _context, _policy
+from keras_recompute import _context, _patch, _policy
 from keras_recompute._errors import RecomputeError
 from keras_recompute.backends import _keras2, _keras3, _tf_keras, _tf_keras_builtin
 from keras_recompute.backends._tf_private import (
@@ -416,7 +416,7 @@ class _KeptDots:
         del self._kept[:]
         with contextlib.ExitStack() as stack:
             for layer in self._layers:
-                stack.enter_context(_context.instance_attribute(layer, "call", self._recorder(layer, layer.call)))
+                stack.enter_context(_patch.instance_attribute(layer, "call", self._recorder(layer, layer.call)))
             yield
 
     @contextlib.contextmanager
@@ -426,7 +426,7 @@ class _KeptDots:
         with contextlib.ExitStack() as stack:
             for layer in self._layers:
                 replayer = self._replayer(layer, layer.call, position, wait)
-                stack.enter_context(_context.instance_attribute(layer, "call", replayer))
+                stack.enter_context(_patch.instance_attribute(layer, "call", replayer))
             yield
         if position[0] != len(self._kept):
             raise RecomputeError(
@@ -610,7 +610,7 @@ def _dense_layers(owner):
 @contextlib.contextmanager
 def _linear(layer):
     """Within it, `layer` applies no activation."""
-    with _context.instance_attribute(layer, "activation", None):
+    with _patch.instance_attribute(layer, "activation", None):
         yield
 
 
