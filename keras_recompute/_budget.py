@@ -128,7 +128,7 @@ _UNITS = {
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_budget(budget, where="recompute_model"):
+def parse_budget(budget, where="recompute_model", fractions=True):
     """Reads a budget: `("bytes", n)` for a size, `("fraction", f)` for a float in (0, 1].
 
     Args:
@@ -136,13 +136,13 @@ def parse_budget(budget, where="recompute_model"):
             MB and GB are powers of 10, MiB and GiB powers of 2), or a float
             in (0, 1], a fraction of the plain model's activation memory.
         where: the function the budget was passed to, as errors name it.
+        fractions: whether `where` takes a fraction; its errors offer one only then (`largest_fit` takes sizes).
 
     Raises:
         ValueError: if `budget` is none of these, or not positive.
     """
-    hint = (
-        "Pass a number of bytes (an int), a size with a unit ('512MB', '12GiB'), or a float in (0, 1], "
-        "the fraction of the plain model's activation memory to keep."
+    hint = "Pass a number of bytes (an int) or a size with a unit ('512MB', '12GiB')" + (
+        ", or a float in (0, 1], the fraction of the plain model's activation memory to keep." if fractions else "."
     )
     if isinstance(budget, bool):
         raise ValueError(f"keras_recompute: {where}(budget=...) got {budget!r}. {hint}")
@@ -151,6 +151,8 @@ def parse_budget(budget, where="recompute_model"):
             raise ValueError(f"keras_recompute: {where}(budget=...) got {budget!r} bytes. {hint}")
         return "bytes", budget
     if isinstance(budget, float):
+        if not fractions and not (0.0 < budget <= 1.0):  # in (0, 1]: `where` says why it takes no fraction
+            raise ValueError(f"keras_recompute: {where}(budget=...) got the float {budget!r}. {hint}")
         if not (0.0 < budget <= 1.0) or math.isnan(budget):
             raise ValueError(
                 f"keras_recompute: {where}(budget=...) got the float {budget!r}; a float is a fraction "

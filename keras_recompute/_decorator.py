@@ -59,7 +59,7 @@ def recompute_grad(fn=None, *, enabled=None, check=True, policy="full", offload=
         decorated) replaces the earlier options instead of recomputing twice.
 
     Raises:
-        TypeError: if `fn` is not callable, `enabled` is not a bool or None,
+        TypeError: if `fn` is not callable or is a class, `enabled` is not a bool or None,
             or `check` or `offload` is not a bool.
         ValueError: if `policy` is not one of `"full"`, `"save_dots"`,
             `"attention_core"`; when a call runs under `"attention_core"`
@@ -113,6 +113,13 @@ def recompute_grad(fn=None, *, enabled=None, check=True, policy="full", offload=
             f"{type(fn).__name__}.{hint}"
         )
 
+    if isinstance(fn, type):  # `@recompute_grad` over `class Block(Layer)`: it would construct, never recompute
+        raise TypeError(
+            f"keras_recompute: recompute_grad decorates a function or a method such as Layer.call, not a class; "
+            f"received the class {fn.__name__}. Put @recompute_grad on its call method (def call(self, ...)); for "
+            "a class you did not write, recompute_model(model, blocks=" + fn.__name__ + ") or, on one instance, "
+            "layer.call = recompute_grad(layer.call)."
+        )
     fn = _undecorated(fn)
     name = getattr(fn, "__qualname__", None) or type(fn).__name__
     try:

@@ -580,7 +580,7 @@ def checked_inputs(make_inputs, sizes, axis, flatten):
 def check_arguments(axis, sizes, budget, multiple_of, headroom=0.0):
     if axis not in AXES:
         raise ValueError(f"keras_recompute: largest_fit(axis=...) takes one of {list(AXES)}; received {axis!r}.")
-    kind, value = _budget.parse_budget(budget, "largest_fit")
+    kind, value = _budget.parse_budget(budget, "largest_fit", fractions=False)
     if kind != "bytes":
         raise ValueError(
             f"keras_recompute: largest_fit(budget=...) takes a size (bytes, or '8GiB'); received {budget!r}, a "

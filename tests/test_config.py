@@ -109,6 +109,19 @@ def test_decorator_argument_errors():
         recompute_grad(3)
 
 
+def test_a_decorated_class_is_refused_with_where_the_decorator_goes():
+    """`@recompute_grad` over a class would wrap its constructor: the layers it makes would never recompute."""
+
+    class Block:
+        def call(self, inputs):
+            return inputs
+
+    for decorate in (recompute_grad, recompute_grad(policy="save_dots")):
+        with pytest.raises(TypeError, match=r"not a class; received the class Block\. Put @recompute_grad on its call"):
+            decorate(Block)
+    assert recompute_grad(Block.call).__wrapped__ is Block.call  # its call method is what to decorate
+
+
 def test_public_surface():
     assert set(keras_recompute.__all__) >= {
         "recompute_grad",

@@ -222,6 +222,17 @@ def test_bad_arguments_say_what_and_how(arguments, match):
         _fit.check_arguments(values["axis"], values["sizes"], values["budget"], values["multiple_of"], values["headroom"])
 
 
+@pytest.mark.parametrize("budget", [-5, 0, 1.5, float("nan"), "huge", True])
+def test_a_bad_budget_is_not_answered_with_a_fraction_largest_fit_does_not_take(budget):
+    """recompute_model's budget may be a fraction of the activations; largest_fit's may not: its errors say how to
+    write a size and offer no fraction (they did: "or a float in (0, 1]", which it refuses)."""
+    with pytest.raises(ValueError) as raised:
+        _fit.check_arguments("batch", None, budget, 1, 0.1)
+    message = str(raised.value)
+    assert message.startswith("keras_recompute: largest_fit(budget=...)") and "'12GiB'" in message, message
+    assert "fraction" not in message, message
+
+
 def test_with_the_allocators_blocks_each_peak_counts_the_largest_tensor_once_more():
     """NOTE [ the allocator's blocks ]: on TensorFlow a tensor may hold a block of up to twice its size, so each
     answer's peak (each option's, the plan's) counts the step's largest tensor once more: here 3 MB a row, or a unit's
