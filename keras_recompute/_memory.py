@@ -586,6 +586,18 @@ def _measure_options(unit, args, kwargs, backend, base, recompute_grad, executio
         measured[option] = (kept, largest)
         steps[option] = _patched(unit, call, step)
     # In turns, so that a slower spell of the machine falls on every option alike; the fastest counts.
+    #
+    # NOTE [ timing a unit on a GPU ]
+    # A GPU runs kernels after the host has queued them, and a call returns once
+    # they are queued: a step timed without waiting for the device times the
+    # queueing, about the same for every option, where a GPU's matmuls make
+    # `"full"` cost more than `"save_dots"`, and the planner chose by the host's
+    # launch time. So each backend's timed step returns once its device has run
+    # it: JAX's `block_until_ready`, PyTorch's `torch.cuda.synchronize`,
+    # TensorFlow's `sync_devices` (`synchronize` in their files). Until
+    # 2026-12-03 PyTorch's and TensorFlow's steps did not wait (found reading
+    # the code; not yet timed on a GPU). On the CPU the ops have run when the
+    # call returns, and the wait costs nothing.
     seconds = {option: float("inf") for option in steps}
     for _ in range(_REPEATS):
         for option, step in steps.items():

@@ -334,6 +334,35 @@ def test_fit_save_and_load_after_a_plan(tmp_path):
     np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-6, atol=1e-6)
 
 
+def test_each_timed_step_waits_for_its_device(monkeypatch):
+    """NOTE [ timing a unit on a GPU ] in `_memory`: each option's step is timed only once its device has run it
+    (a GPU runs kernels after the host queues them: timed without the wait, the planner's seconds were the host's
+    launch time). On the CPU the wait is at once; here every timed run of every unit's every option calls it."""
+    model = blocks_model(2)
+    backend = _memory._measuring_backend(model)
+    waits = []
+    if BACKEND == "jax":
+        import jax
+
+        block_until_ready = jax.block_until_ready
+        monkeypatch.setattr(jax, "block_until_ready", lambda value: waits.append(1) or block_until_ready(value))
+    else:
+        synchronize = backend.synchronize
+        monkeypatch.setattr(backend, "synchronize", lambda: waits.append(1) or synchronize())
+    timed = []
+    measure_options = _memory._measure_options
+
+    def counting(unit, *args):
+        measured = measure_options(unit, *args)
+        timed.append(len(measured))
+        return measured
+
+    monkeypatch.setattr(_memory, "_measure_options", counting)
+    memory_report(model, X)
+    # (JAX measures two units alike once: `timed` counts the options of each unit measured.)
+    assert timed and len(waits) >= _memory._REPEATS * sum(timed), (timed, len(waits))
+
+
 def test_measuring_changes_nothing_in_the_model():
     model = blocks_model()
     before = [np.array(keras.ops.convert_to_numpy(v.value)) for v in model.variables]

@@ -526,6 +526,7 @@ def measure_unit(layer, args, kwargs, policy, timed=True, execution="compiled", 
         return kept, largest, None, kept
     step = jax.jit(jax.grad(loss, argnums=(0, 1)))
     jax.block_until_ready(step(trainable, differentiated))
+    # Returns once the device has run it (NOTE [ timing a unit on a GPU ] in `_memory`).
     return kept, largest, lambda: jax.block_until_ready(step(trainable, differentiated)), kept
 
 

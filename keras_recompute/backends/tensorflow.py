@@ -35,6 +35,7 @@ activations to the end of the backward (a 6-block encoder under `full`:
 """
 
 import contextlib
+import functools
 import os
 import threading
 
@@ -1127,8 +1128,27 @@ def measure_unit(layer, args, kwargs, policy, timed=True, execution="compiled", 
         run = lambda: concrete(*values)  # noqa: E731
     if not timed:
         return kept, largest, None, read
-    run()
-    return kept, largest, run, read
+
+    def timed_step():  # returns once the device has run it (NOTE [ timing a unit on a GPU ] in `_memory`)
+        run()
+        synchronize()
+
+    timed_step()
+    return kept, largest, timed_step, read
+
+
+def synchronize():
+    """Returns once the devices have run what was queued on them: at once without a GPU (TensorFlow runs the CPU's
+    ops as they are called); a GPU runs kernels after the host queues them (NOTE [ timing a unit on a GPU ] in
+    `_memory`). Eager only, where a step is timed: `sync_devices` (TensorFlow 2.14 and later) refuses a graph."""
+    sync_devices = getattr(getattr(tf.test, "experimental", None), "sync_devices", None)
+    if sync_devices is not None and tf.executing_eagerly() and _has_gpu():
+        sync_devices()
+
+
+@functools.lru_cache(maxsize=None)
+def _has_gpu():
+    return bool(tf.config.list_logical_devices("GPU"))
 
 
 def loss_peak(outputs, model=None):

@@ -1067,6 +1067,17 @@ def measure_unit(layer, args, kwargs, policy, timed=True, execution="compiled", 
         _marked(None)
         return None
 
+    def step():  # returns once the device has run it (NOTE [ timing a unit on a GPU ] in `_memory`)
+        run(measure=False)
+        synchronize()
+
     kept, largest = run(measure=True)
-    return kept, largest, (lambda: run(measure=False)) if timed else None, kept
+    return kept, largest, step if timed else None, kept
+
+
+def synchronize():
+    """Returns once the device has run what was queued on it: at once on the CPU; a GPU runs kernels after the host
+    queues them (NOTE [ timing a unit on a GPU ] in `_memory`)."""
+    if str(_device()).startswith("cuda"):
+        torch.cuda.synchronize()
 
