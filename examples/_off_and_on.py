@@ -35,7 +35,9 @@ def main(script, train, variants=OFF_AND_ON):
             **variables,
         )
         env[CHILD] = "1"
-        out = subprocess.run([sys.executable, script, *sys.argv[1:]], env=env, check=True, capture_output=True, text=True)
+        out = subprocess.run([sys.executable, script, *sys.argv[1:]], env=env, capture_output=True, text=True)
+        if out.returncode:  # say why, not only that it failed
+            sys.exit(f"{label}: the child failed (exit status {out.returncode}):\n{out.stderr[-4000:]}")
         line = out.stdout.strip().splitlines()[-1]
         print(line)
         peaks.append((label, float(line.rsplit("peak ", 1)[1].split()[0])))
