@@ -25,6 +25,7 @@ With a real checkpoint, pass `config_path=` and `checkpoint_path=` to
 `build_transformer_model` instead of the sizes.
 """
 
+import argparse
 import os
 
 os.environ.update(TF_KERAS="1", TF_USE_LEGACY_KERAS="1")
@@ -80,15 +81,16 @@ def train():
         recompute_model(model)  # the one line: each transformer block as one unit
     model.compile(optimizer=tf_keras.optimizers.Adam(3e-4), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
 
+    arguments = _arguments()
     rng = np.random.RandomState(0)
-    tokens = rng.randint(10, 1000, size=(512, 128))
-    labels = rng.randint(0, 2, size=512)
+    tokens = rng.randint(10, 1000, size=(arguments.samples, 128))
+    labels = rng.randint(0, 2, size=arguments.samples)
     tokens[:, 1] = 7 + labels
     tokens[:, 0] = 2  # [CLS]
     segments = np.zeros_like(tokens)
     model.fit([tokens[:32], segments[:32]], labels[:32], batch_size=32, verbose=0)  # build and trace
     tf.config.experimental.reset_memory_stats("CPU:0")
-    history = model.fit([tokens, segments], labels, batch_size=32, epochs=3, verbose=0)
+    history = model.fit([tokens, segments], labels, batch_size=32, epochs=arguments.epochs, verbose=0)
     peak = tf.config.experimental.get_memory_info("CPU:0")["peak"] / 2**20
     print(
         f"{method:<6}: loss {history.history['loss'][-1]:.4f}, "
@@ -96,7 +98,15 @@ def train():
     )
 
 
+def _arguments():
+    parser = argparse.ArgumentParser(description="Fine-tune a bert4keras BERT classifier four ways.")
+    parser.add_argument("--epochs", type=int, default=3, help="epochs of training (default 3)")
+    parser.add_argument("--samples", type=int, default=512, help="sentences to train on, at least 32 (default 512)")
+    return parser.parse_args()
+
+
 if __name__ == "__main__":
+    _arguments()  # --help, and errors, before any child starts
     from _off_and_on import main  # examples/_off_and_on.py: one child per variant
 
     main(__file__, train, [(method, {METHOD: method}) for method in ("none", "theirs", "enable", "model")])

@@ -57,15 +57,16 @@ def train():
     model = keras.Model(backbone.input, keras.layers.Dense(2, activation="softmax")(pooled))
     model.compile(optimizer=keras.optimizers.Adam(3e-4), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
 
+    arguments = _arguments()
     rng = np.random.RandomState(0)
-    tokens = rng.randint(10, 1000, size=(512, 128))
-    labels = rng.randint(0, 2, size=512)
+    tokens = rng.randint(10, 1000, size=(arguments.samples, 128))
+    labels = rng.randint(0, 2, size=arguments.samples)
     tokens[:, 1] = 7 + labels
     inputs = {"token_ids": tokens, "segment_ids": np.zeros_like(tokens), "padding_mask": np.ones_like(tokens)}
     head = {key: value[:32] for key, value in inputs.items()}
     model.fit(head, labels[:32], batch_size=32, verbose=0)  # build and trace
     tf.config.experimental.reset_memory_stats("CPU:0")
-    history = model.fit(inputs, labels, batch_size=32, epochs=3, verbose=0)
+    history = model.fit(inputs, labels, batch_size=32, epochs=arguments.epochs, verbose=0)
     peak = tf.config.experimental.get_memory_info("CPU:0")["peak"] / 2**20
     trained = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
     print(
@@ -77,6 +78,8 @@ def train():
 def _arguments():
     parser = argparse.ArgumentParser(description="Fine-tune a keras-hub BERT classifier, recompute off and on.")
     parser.add_argument("--lora", type=int, default=0, metavar="RANK", help="LoRA fine-tuning of that rank")
+    parser.add_argument("--epochs", type=int, default=3, help="epochs of training (default 3)")
+    parser.add_argument("--samples", type=int, default=512, help="sentences to train on, at least 32 (default 512)")
     return parser.parse_args()
 
 
