@@ -117,9 +117,10 @@ def recompute_grad(fn=None, *, enabled=None, check=True, policy="full", offload=
         raise TypeError(
             f"keras_recompute: recompute_grad decorates a function or a method such as Layer.call, not a class; "
             f"received the class {fn.__name__}. Put @recompute_grad on its call method (def call(self, ...)); for "
-            "a class you did not write, recompute_model(model, blocks=" + fn.__name__ + ") or, on one instance, "
+            f"a class you did not write, recompute_model(model, blocks={fn.__name__}) or, on one instance, "
             "layer.call = recompute_grad(layer.call)."
         )
+
     fn = _undecorated(fn)
     name = getattr(fn, "__qualname__", None) or type(fn).__name__
     try:
