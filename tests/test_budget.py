@@ -483,11 +483,11 @@ def test_measuring_leaves_no_activation_alive():
         gc.collect()
         return [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.grad_fn is not None]
 
+    before = {id(t) for t in graphed()}  # what an earlier test of the process left (the order of files varies)
     model = blocks_model()
-    assert graphed() == []
     memory_report(model, X)
     recompute_model(model, budget=0.75, inputs=X, enabled=True)
-    left = graphed()
+    left = [t for t in graphed() if id(t) not in before]
     assert left == [], [(tuple(t.shape), type(t.grad_fn).__name__) for t in left]
 
 
