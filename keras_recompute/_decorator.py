@@ -34,7 +34,8 @@ def recompute_grad(fn=None, *, enabled=None, check=True, policy="full", offload=
         enabled: `None` (default) follows `RECOMPUTE` and `recompute_scope`;
             `True` or `False` fixes the choice for this function.
         check: `True` (default) compares the recompute's outputs with the
-            forward's and raises `RecomputeError` if they differ, instead of
+            forward's (under `"save_dots"`, the inputs of each kept matmul
+            too) and raises `RecomputeError` if they differ, instead of
             returning the gradient of another function. Their number, shapes
             and dtypes are always compared; `False` skips only the values.
         policy: how much of the call the forward keeps (NOTE [ policies ] in

@@ -455,6 +455,38 @@ def test_a_recompute_that_differs_raises(K, mode):
             step(x)
 
 
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_a_save_dots_recompute_that_differs_before_a_kept_matmul_raises(K, mode):
+    """NOTE [ the recompute check under save_dots ]: the output here is a kept matmul's, the forward's whatever the
+    recompute feeds it, so the output check passes; the kept matmul's gradient was taken at the recompute's other
+    input (the outer kernel's a third off, normwise), with no error. Each kept matmul's input is checked now."""
+
+    class DriftingBeforeAKeptMatmul(K.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.inner, self.outer = K.layers.Dense(4), K.layers.Dense(3)
+            self.calls = 0
+
+        @recompute_grad(policy="save_dots")
+        def call(self, inputs):
+            self.calls += 1
+            return self.outer(self.inner(inputs) * (2.0 if self.calls % 2 else 3.0))
+
+    layer = DriftingBeforeAKeptMatmul(name="drifting")
+    x = tf.ones((2, 3))
+    layer(x)
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            y = layer(x)
+        return tape.gradient(y, layer.trainable_weights)
+
+    step = compile_mode(step, mode)
+    with recompute_scope(True):
+        with pytest.raises((RecomputeError, tf.errors.InvalidArgumentError), match="recompute of .*drifting.* fed its layer .*differ"):
+            step(x)
+
+
 @pytest.mark.parametrize("frozen", [True, False])
 def test_a_recompute_no_gradient_reads_is_not_run_in_a_function(K, frozen):
     """NOTE [ a check the runtime may prune ]: a frozen unit before every trained weight (a backbone frozen under a

@@ -61,6 +61,33 @@ def test_a_recompute_that_differs_raises_or_replays_the_forward():
     assert_close(_drifting_gradients(layer, True)[1], _drifting_gradients(layer, False)[1])
 
 
+class DriftingBeforeAKeptMatmul(layers.Layer):
+    """Its output is a matmul's that `"save_dots"` keeps; the input of that matmul differs in the recompute."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.inner, self.outer = layers.Dense(4), layers.Dense(3)
+        self.calls = 0
+        self.call = recompute_grad(self.call, policy="save_dots")
+
+    def call(self, inputs):
+        self.calls += 1
+        return self.outer(self.inner(inputs) * (2.0 if self.calls % 2 else 3.0))
+
+
+def test_a_save_dots_recompute_that_differs_before_a_kept_matmul_raises_or_replays_the_forward():
+    """NOTE [ the recompute check under save_dots ] (`backends/tensorflow.py`): the output check passed (the output
+    is the kept matmul's) while the outer kernel's gradient was taken at the recompute's other input, a third off
+    normwise on PyTorch, with no error. Each kept matmul's inputs are checked now."""
+    layer = DriftingBeforeAKeptMatmul(name="drifting")
+    layer(X)
+    if BACKEND == "torch":
+        with pytest.raises(RecomputeError, match="recompute of .*drifting.* weight matmul 1 .*differ from its forward"):
+            _drifting_gradients(layer, True)
+        return
+    assert_close(_drifting_gradients(layer, True)[1], _drifting_gradients(layer, False)[1])
+
+
 @pytest.mark.skipif(BACKEND != "torch", reason="JAX's recompute cannot differ")
 def test_check_false_skips_the_value_check():
     layer = Drifting(check=False)

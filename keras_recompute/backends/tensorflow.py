@@ -136,7 +136,7 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full", offload
     else:
         legacy_state = None if _keras3.is_layer(owner) else _tf_keras.capture(owner, name)
         loss_lists = _keras3.loss_lists(owner) or _tf_keras.loss_lists(owner)
-    dots = _KeptDots(owner, name, context.trains) if policy == _policy.SAVE_DOTS else None
+    dots = _KeptDots(owner, name, context.trains, check) if policy == _policy.SAVE_DOTS else None
     masks = _KeptMasks() if _policy.keeps_dropout_masks(policy) and _keras3.is_layer(owner) else None
     reads = _ForwardReads(context.trains)
     # Filled by the forward: the output structure, and its non-float leaves,
@@ -184,6 +184,8 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full", offload
             if LEGACY:
                 _refuse_unseen_variables(tape, variables, context)
             replayed_heads, checks = expected.compare(tf.nest.flatten(replayed), name, wait.exact, as_data=True)
+            if dots:
+                checks += dots.compare(wait.exact, as_data=True)
             replayed_losses = [
                 loss
                 for loss in keras_replay.losses + (legacy_replay.losses if legacy_replay else [])
@@ -404,17 +406,34 @@ class _KeptDots:
     recompute runs no kernel matmul. In eager mode every op runs as it is
     called: the matmul runs again in the backward, and `"save_dots"` saves
     memory but not time there.
+
+    NOTE [ the recompute check under save_dots ]
+    A kept op's value is the forward's whatever the recompute feeds it, so a
+    recompute that differs before a kept op (a Python branch on a counter
+    the call changes, a random op drawn again) can end in the forward's
+    outputs exactly, and the output check (NOTE [ the recompute check ])
+    passes; but the kept op's gradient is taken at the recomputed input, and
+    the gradients were another function's, with no error (found 2026-12-03:
+    `h = dense_1(x) * (2 if calls % 2 else 3); return x + dense_2(h)` gave
+    dense_2's kernel a gradient a third off, normwise (2 where 3), in eager
+    mode and in a `tf.function`; the same on PyTorch). So with `check=True` the forward
+    also takes the fingerprint of each kept op's input, and the recompute
+    compares its own, as it compares its outputs.
     """
 
-    def __init__(self, owner, name, trains):
+    def __init__(self, owner, name, trains, check=True):
         self._layers = _dense_layers(owner)
         self._name = name
         self._trains = trains
+        self._check = check
         self._kept = []
+        self._seen = []  # (layer name, the forward's fingerprint of its input, the input's dtype), with check=True
+        self._fed = []  # the recompute's inputs of the kept ops, in order, with check=True
 
     @contextlib.contextmanager
     def recording(self):
         del self._kept[:]
+        del self._seen[:]
         with contextlib.ExitStack() as stack:
             for layer in self._layers:
                 stack.enter_context(_patch.instance_attribute(layer, "call", self._recorder(layer, layer.call)))
@@ -423,6 +442,7 @@ class _KeptDots:
     @contextlib.contextmanager
     def replaying(self, wait):
         """Within it, the layers hand out the kept outputs, made to `wait` for the incoming gradient."""
+        del self._fed[:]
         position = [0]
         with contextlib.ExitStack() as stack:
             for layer in self._layers:
@@ -443,9 +463,29 @@ class _KeptDots:
             with _linear(layer):
                 kept = call(inputs, *args, **kwargs)
             self._kept.append(kept)
+            if self._check:
+                self._seen.append((layer.name, _fingerprint(inputs), inputs.dtype))
             return _activate(layer, kept)
 
         return record
+
+    def compare(self, exact=None, as_data=False):
+        """The checks that the recompute fed each kept op what its forward did (NOTE [ the recompute check under
+        save_dots ]), as `_Expected.compare` makes them; in eager mode raises `RecomputeError` on a difference."""
+        checks = []
+        for index, ((layer, before, dtype), fed) in enumerate(zip(self._seen, self._fed)):
+            message = (
+                f"keras_recompute: the recompute of {self._name} fed its layer {layer!r} (weight matmul {index}, "
+                'kept under policy="save_dots") values that differ from its forward\'s: its kept output would be '
+                "differentiated at other inputs. A recomputed call must compute the same function of its inputs "
+                "each time: no Python branch on state the call changes, no random op outside Keras's random "
+                "layers. Pass check=False to recompute_grad to skip this check."
+            )
+            check = _value_check(before, _fingerprint(fed), dtype, message, exact, as_data)
+            if check is not None:
+                checks.append(check)
+        del self._fed[:]
+        return checks
 
     def _replayer(self, layer, call, position, wait):
         def replay(inputs, *args, **kwargs):
@@ -462,6 +502,8 @@ class _KeptDots:
             # scores from the kept query and key, could run during the forward.
             kept = wait(self._kept[position[0]])
             position[0] += 1
+            if self._check:
+                self._fed.append(inputs)
             variables = [_tf_variable(v) for v in layer.trainable_weights if self._trains(v)]
             # The layer's linear call runs again in the kept op's gradient, outside the
             # layer's `__call__` (in a TF1 graph, `__call__` there would open a session):
@@ -752,9 +794,6 @@ class _Expected:
     moves a projection by ~0.1 |x|.
     """
 
-    TOLERANCE = 1e-3
-    ROUNDINGS = 4  # for an output coarser than float32: this many of its roundings, relative
-
     def __init__(self, out_leaves, heads, keep_values):
         self.count = len(out_leaves)
         self.positions = [i for i, leaf in enumerate(out_leaves) if _is_differentiable(leaf)]
@@ -806,15 +845,6 @@ class _Expected:
             return heads, []
         checks = []
         for index, (head, before) in enumerate(zip(heads, self.fingerprints)):
-            after = _fingerprint(head.returned)
-            # A forward that overflowed (a diverged model) is reproduced when the recompute
-            # overflows where it did: NaN and inf compare unequal to themselves.
-            finite = tf.math.is_finite(before)
-            both = tf.logical_and(finite, tf.math.is_finite(after))
-            same = tf.reduce_all(tf.equal(finite, tf.math.is_finite(after)))
-            difference = tf.reduce_max(tf.where(both[1:], tf.abs(after[1:] - before[1:]), tf.zeros_like(after[1:])))
-            difference = tf.where(same, difference, float("inf"))
-            limit = self._tolerance(self.specs[index][1]) * tf.where(finite[0], before[0], 0.0) + 1e-6
             message = (
                 f"keras_recompute: the recompute of {name} gave output {index} values that "
                 "differ from its forward's. A recomputed call must compute the same function "
@@ -822,21 +852,42 @@ class _Expected:
                 "random op outside Keras's random layers. Pass check=False to recompute_grad "
                 "to skip this check."
             )
-            if tf.executing_eagerly():
-                if not bool(difference <= limit):
-                    raise RecomputeError(message + f" Fingerprints differ by {float(difference):.3g}.")
-            else:
-                same = difference <= limit
-                if exact is not None:  # NOTE [ a NaN gradient ]
-                    same = tf.logical_or(same, tf.logical_not(exact))
-                checks.append(_graph_check(same, message, difference, limit, as_data))
+            check = _value_check(before, _fingerprint(head.returned), self.specs[index][1], message, exact, as_data)
+            if check is not None:
+                checks.append(check)
         return heads, checks
 
-    @classmethod
-    def _tolerance(cls, dtype):
-        """The largest difference allowed, relative to the output's norm (NOTE [ the recompute check ])."""
-        epsilon = {tf.bfloat16: 2.0**-7, tf.float16: 2.0**-10}.get(tf.as_dtype(dtype), 0.0)
-        return max(cls.TOLERANCE, cls.ROUNDINGS * epsilon)
+
+_TOLERANCE = 1e-3
+_ROUNDINGS = 4  # for a value coarser than float32: this many of its roundings, relative
+
+
+def _tolerance(dtype):
+    """The largest difference allowed, relative to the value's norm (NOTE [ the recompute check ])."""
+    epsilon = {tf.bfloat16: 2.0**-7, tf.float16: 2.0**-10}.get(tf.as_dtype(dtype), 0.0)
+    return max(_TOLERANCE, _ROUNDINGS * epsilon)
+
+
+def _value_check(before, after, dtype, message, exact=None, as_data=False):
+    """Compares two fingerprints of a value of `dtype`, the forward's and the recompute's (NOTE [ the recompute
+    check ]): in eager mode raises `RecomputeError` with `message` where they differ (returns None); in a graph
+    returns the op that fails there (`_graph_check`; `exact` and `as_data` as `_Expected.compare` takes them)."""
+    # A forward that overflowed (a diverged model) is reproduced when the recompute
+    # overflows where it did: NaN and inf compare unequal to themselves.
+    finite = tf.math.is_finite(before)
+    both = tf.logical_and(finite, tf.math.is_finite(after))
+    same = tf.reduce_all(tf.equal(finite, tf.math.is_finite(after)))
+    difference = tf.reduce_max(tf.where(both[1:], tf.abs(after[1:] - before[1:]), tf.zeros_like(after[1:])))
+    difference = tf.where(same, difference, float("inf"))
+    limit = _tolerance(dtype) * tf.where(finite[0], before[0], 0.0) + 1e-6
+    if tf.executing_eagerly():
+        if not bool(difference <= limit):
+            raise RecomputeError(message + f" Fingerprints differ by {float(difference):.3g}.")
+        return None
+    same = difference <= limit
+    if exact is not None:  # NOTE [ a NaN gradient ]
+        same = tf.logical_or(same, tf.logical_not(exact))
+    return _graph_check(same, message, difference, limit, as_data)
 
 
 # NOTE [ a check the runtime may prune ]
@@ -889,7 +940,11 @@ def _fingerprint(x):
     x = tf.cast(x, tf.float32)
     if tf.executing_eagerly():
         return _traced_fingerprint(x)
-    return _fingerprint_ops(x)
+    with tf.name_scope(CHECK_SCOPE):  # a graph's reader can tell the check's ops from the recompute's
+        return _fingerprint_ops(x)
+
+
+CHECK_SCOPE = "keras_recompute_check"
 
 
 def _fingerprint_ops(x):

@@ -150,9 +150,9 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full", offload
         versions = _SavedVersions(context.name)
         forward, recompute = versions.forward(), versions.recompute()
         if policy == _policy.SAVE_DOTS:
-            cache = []
-            forward = _Contexts(forward, _InMatmuls(_KeepingDots(cache)))
-            recompute = _Contexts(recompute, _InMatmuls(_KeptDots(cache)))
+            cache, seen = [], ([] if check else None)  # NOTE [ the recompute check under save_dots ]
+            forward = _Contexts(forward, _InMatmuls(_KeepingDots(cache, seen)))
+            recompute = _Contexts(recompute, _InMatmuls(_KeptDots(cache, seen, context.name)))
         replay = _Contexts(_config.recompute_scope(enabled), _keras3.replay(state, owner))
         if tape is None:
             return forward, _Contexts(replay, recompute)
@@ -229,10 +229,10 @@ class _RecomputedValues:
             return
         with torch.no_grad():
             for index, (before, after) in enumerate(zip(self._expected, fingerprints)):
-                _defer_check(self._name, index, (after[1] - before[1]).abs(), _TOLERANCE * before[0] + 1e-6)
+                _defer_check(self._name, f"output {index}", (after[1] - before[1]).abs(), _TOLERANCE * before[0] + 1e-6)
 
 
-def _defer_check(name, index, difference, limit):
+def _defer_check(name, what, difference, limit):
     """Reads `difference <= limit` when the running backward ends (NOTE [ the recompute check on PyTorch ])."""
     task = torch._C._current_graph_task_id()
     with _PENDING_LOCK:
@@ -241,7 +241,7 @@ def _defer_check(name, index, difference, limit):
             pending = _PENDING[task] = []
             if task != -1:
                 torch.autograd.Variable._execution_engine.queue_callback(lambda: _read_checks(task))
-        pending.append((name, index, difference, limit))
+        pending.append((name, what, difference, limit))
     if task == -1:  # not inside a backward (an unpack called by hand): read it now
         _read_checks(task)
 
@@ -253,10 +253,10 @@ def _read_checks(task):
         return
     device = pending[0][2].device  # one read for all of them (units on other devices copy theirs over)
     exceeded = torch.stack([(difference > limit).to(device) for _, _, difference, limit in pending]).tolist()
-    for (name, index, difference, _), bad in zip(pending, exceeded):
+    for (name, what, difference, _), bad in zip(pending, exceeded):
         if bad:
             raise RecomputeError(
-                f"keras_recompute: the recompute of {name} gave output {index} values that differ from its "
+                f"keras_recompute: the recompute of {name} gave {what} values that differ from its "
                 f"forward's (a fingerprint moved by {float(difference):.3g}). A recomputed call must compute the "
                 "same function of its inputs each time: no Python branch on state the call changes, no random "
                 "op outside Keras's random layers and torch's generator. Pass check=False to recompute_grad to "
@@ -524,25 +524,44 @@ def _kept_by_save_dots(op, args):
 
 
 class _KeepingDots(TorchDispatchMode):
-    """The forward's mode: runs each op, and appends a copy of each output `_kept_by_save_dots` marks to `cache`."""
+    """The forward's mode: runs each op, and appends a copy of each output `_kept_by_save_dots` marks to `cache`
+    (and, given `seen`, the fingerprints of the op's inputs to it: NOTE [ the recompute check under save_dots ] in
+    `backends/tensorflow.py`)."""
 
-    def __init__(self, cache):
+    def __init__(self, cache, seen=None):
         super().__init__()
         self.cache = cache
+        self.seen = seen
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if _kept_by_save_dots(func, args):
             self.cache.append(out.detach().clone())  # a copy: the call may write to `out` in place after
+            if self.seen is not None:
+                with torch.no_grad():
+                    self.seen.append([_fingerprint(x) for x in _matmul_operands(args)])
         return out
+
+
+def _matmul_operands(args):
+    """The floating-point tensors among a matmul op's arguments (its operands, and `addmm`'s bias) that the
+    recompute computes again: not a weight as it is stored (a `Parameter`, or a view of one), which it reads as the
+    forward read it."""
+    return [
+        x for x in args
+        if isinstance(x, torch.Tensor) and x.is_floating_point()
+        and not isinstance(x, torch.nn.Parameter) and not isinstance(x._base, torch.nn.Parameter)
+    ]
 
 
 class _KeptDots(TorchDispatchMode):
     """The recompute's mode: hands back what `_KeepingDots` kept, in order, for the ops it marked; runs the others."""
 
-    def __init__(self, cache):
+    def __init__(self, cache, seen=None, name=None):
         super().__init__()
         self.cache = cache
+        self.seen = seen
+        self.name = name
         self.position = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -556,6 +575,16 @@ class _KeptDots(TorchDispatchMode):
             )
         kept = self.cache[self.position]
         self.cache[self.position] = None  # handed over: the backward holds it as long as it needs it
+        if self.seen is not None:  # the op is fed what the forward fed it (NOTE [ the recompute check under save_dots ])
+            what = (
+                f'the inputs of its weight matmul {self.position} (kept under policy="save_dots": its kept output '
+                "would be differentiated at other inputs)"
+            )
+            with torch.no_grad():
+                for before, x in zip(self.seen[self.position], _matmul_operands(args)):
+                    after = _fingerprint(x)
+                    _defer_check(self.name, what, (after[1] - before[1]).abs(), _TOLERANCE * before[0] + 1e-6)
+            self.seen[self.position] = None
         self.position += 1
         return kept
 
