@@ -172,6 +172,30 @@ def test_dropout_noise_and_batchnorm_replay_the_forward(mode):
     assert not np.allclose(first, second), "dropout did not draw new masks each step"
 
 
+class UnseededNoise(layers.Layer):
+    """Noise from an unseeded `keras.random` draw (Keras's global seed generator), before a kept matmul."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = layers.Dense(32, activation="tanh")
+        self.out = layers.Dense(16)
+
+    def call(self, inputs):
+        hidden = self.dense(inputs)
+        return inputs + self.out(hidden * keras.random.uniform(ops.shape(hidden)))
+
+
+@pytest.mark.skipif(BACKEND == "jax", reason="Keras refuses an unseeded draw in a traced JAX call")
+@pytest.mark.parametrize("policy", ["full", "save_dots"])
+@pytest.mark.parametrize("mode", MODES)
+def test_an_unseeded_draw_replays_the_forward(mode, policy):
+    """NOTE [ an unseeded draw ] in `backends/_keras3.py`: Keras's global seed generator, made by the forward's
+    draw, was not recorded, and the recompute drew again: on PyTorch and in TensorFlow's eager mode `"full"`
+    raised `RecomputeError`; `"save_dots"` gave `out` another gradient (NOTE [ the recompute check under save_dots
+    ] catches that now). `set_random_seed` before each step unmakes the generator: each step is a first."""
+    compare_with_twin(UnseededNoise, [normal(4, 16)], mode, steps=2, policy=policy)
+
+
 class Outer(layers.Layer):
     """A recomputed block inside a recomputed block."""
 

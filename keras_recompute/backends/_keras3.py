@@ -162,7 +162,7 @@ def state_variables(owner):
     return [v for v in owner.variables if not v.trainable and id(v) not in created_as_weights]
 
 
-def capture(owner, to_tensor, wait=None):
+def capture(owner, to_tensor, wait=None, eager=False):
     """Records the state a recompute must replay, before the forward runs.
 
     Args:
@@ -174,6 +174,10 @@ def capture(owner, to_tensor, wait=None):
             sees seeds available at the start of the step would otherwise
             draw every block's dropout mask up front and keep them all alive
             (seen under XLA: +125 MB on the benchmark's 12-block encoder).
+        eager: the call runs op by op (PyTorch, TensorFlow's eager mode):
+            Keras's global seed generator, which an unseeded `keras.random`
+            draw advances, is made now if no draw has made it yet, so that
+            its state is recorded (NOTE [ an unseeded draw ]).
 
     Returns:
         A `CallState`, or None when Keras 3 is not in use.
@@ -186,6 +190,24 @@ def capture(owner, to_tensor, wait=None):
     if is_layer(owner):
         variables.extend(state_variables(owner))
     global_seeds = global_state.get_global_attribute("global_seed_generator")
+    # NOTE [ an unseeded draw ]
+    # `keras.random.uniform(shape)` with no seed draws from Keras's global seed
+    # generator, which the first such draw makes (and `set_random_seed`
+    # unmakes). Made inside the forward, its state was not recorded before the
+    # forward, and the recompute drew from the state the forward left: on
+    # PyTorch and in TensorFlow's eager mode the first step raised
+    # `RecomputeError` under "full", and under "save_dots" the check of the
+    # kept matmuls' inputs is what catches it (found 2026-12-03). So it is
+    # made before the forward: the draw that would have made it finds it, with
+    # the seed it would have had (one draw of Python's `random`, as Keras's
+    # draw makes; a call that draws no unseeded value leaves Python's `random`
+    # one draw further on than the plain call would). In a `tf.function` a
+    # generator the trace makes is replayed alike (exact, measured, with no
+    # change); JAX refuses unseeded draws in a traced call.
+    if global_seeds is None and eager:
+        from keras.src.random.seed_generator import global_seed_generator
+
+        global_seeds = global_seed_generator()
     if global_seeds is not None:
         variables.append(global_seeds.state)
     autocast_scope = global_state.get_global_attribute("autocast_scope")
