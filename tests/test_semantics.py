@@ -438,30 +438,10 @@ def counting_layer(K, check=True):
     return Drifting
 
 
-@pytest.mark.parametrize("mode", ["eager", "function"])
-def test_a_recompute_that_differs_raises(K, mode):
-    layer = counting_layer(K)(name="drifting")
-    x = tf.ones((2, 3))
-    layer(x)
-
-    def step(x):
-        with tf.GradientTape() as tape:
-            y = layer(x)
-        return tape.gradient(y, layer.trainable_weights)
-
-    step = compile_mode(step, mode)
-    with recompute_scope(True):
-        with pytest.raises((RecomputeError, tf.errors.InvalidArgumentError), match="recompute of .*drifting.*differ"):
-            step(x)
-
-
-@pytest.mark.parametrize("mode", ["eager", "function"])
-def test_a_save_dots_recompute_that_differs_before_a_kept_matmul_raises(K, mode):
-    """NOTE [ the recompute check under save_dots ]: the output here is a kept matmul's, the forward's whatever the
-    recompute feeds it, so the output check passes; the kept matmul's gradient was taken at the recompute's other
-    input (the outer kernel's a third off, normwise), with no error. Each kept matmul's input is checked now."""
-
+def drifting_before_a_kept_matmul(K):
     class DriftingBeforeAKeptMatmul(K.layers.Layer):
+        """Its output is a matmul's that `"save_dots"` keeps; the input of that matmul differs in the recompute."""
+
         def __init__(self, **kwargs):
             super().__init__(**kwargs)
             self.inner, self.outer = K.layers.Dense(4), K.layers.Dense(3)
@@ -472,7 +452,20 @@ def test_a_save_dots_recompute_that_differs_before_a_kept_matmul_raises(K, mode)
             self.calls += 1
             return self.outer(self.inner(inputs) * (2.0 if self.calls % 2 else 3.0))
 
-    layer = DriftingBeforeAKeptMatmul(name="drifting")
+    return DriftingBeforeAKeptMatmul
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+@pytest.mark.parametrize("where", ["output", "kept_matmul"])
+def test_a_recompute_that_differs_raises(K, mode, where):
+    """`kept_matmul`: NOTE [ the recompute check under save_dots ]. The output is a kept matmul's, the forward's
+    whatever the recompute feeds it, so the output check passed; the kept matmul's gradient was taken at the
+    recompute's other input (the outer kernel's a third off, normwise), with no error. Each kept matmul's input is
+    checked now."""
+    if where == "output":
+        layer, raised = counting_layer(K)(name="drifting"), "recompute of .*drifting.*differ"
+    else:
+        layer, raised = drifting_before_a_kept_matmul(K)(name="drifting"), "recompute of .*drifting.* fed its layer .*differ"
     x = tf.ones((2, 3))
     layer(x)
 
@@ -483,7 +476,7 @@ def test_a_save_dots_recompute_that_differs_before_a_kept_matmul_raises(K, mode)
 
     step = compile_mode(step, mode)
     with recompute_scope(True):
-        with pytest.raises((RecomputeError, tf.errors.InvalidArgumentError), match="recompute of .*drifting.* fed its layer .*differ"):
+        with pytest.raises((RecomputeError, tf.errors.InvalidArgumentError), match=raised):
             step(x)
 
 

@@ -51,16 +51,6 @@ def _drifting_gradients(layer, on):
         return loss_and_gradients(layer, [X], FAST_MODE, lambda layer, xs: layer(xs[0]))
 
 
-def test_a_recompute_that_differs_raises_or_replays_the_forward():
-    layer = Drifting(name="drifting")
-    layer(X)
-    if BACKEND == "torch":
-        with pytest.raises(RecomputeError, match="recompute of .*drifting.*differ from its forward"):
-            _drifting_gradients(layer, True)
-        return
-    assert_close(_drifting_gradients(layer, True)[1], _drifting_gradients(layer, False)[1])
-
-
 class DriftingBeforeAKeptMatmul(layers.Layer):
     """Its output is a matmul's that `"save_dots"` keeps; the input of that matmul differs in the recompute."""
 
@@ -75,14 +65,18 @@ class DriftingBeforeAKeptMatmul(layers.Layer):
         return self.outer(self.inner(inputs) * (2.0 if self.calls % 2 else 3.0))
 
 
-def test_a_save_dots_recompute_that_differs_before_a_kept_matmul_raises_or_replays_the_forward():
-    """NOTE [ the recompute check under save_dots ] (`backends/tensorflow.py`): the output check passed (the output
-    is the kept matmul's) while the outer kernel's gradient was taken at the recompute's other input, a third off
-    normwise on PyTorch, with no error. Each kept matmul's inputs are checked now."""
-    layer = DriftingBeforeAKeptMatmul(name="drifting")
+@pytest.mark.parametrize("layer_class, raised", [
+    (Drifting, "recompute of .*drifting.* output 0 .*differ from its forward"),
+    # NOTE [ the recompute check under save_dots ] (`backends/tensorflow.py`): the output check passed (the output
+    # is the kept matmul's) while the outer kernel's gradient was taken at the recompute's other input, a third off
+    # normwise on PyTorch, with no error. Each kept matmul's inputs are checked now.
+    (DriftingBeforeAKeptMatmul, "recompute of .*drifting.* weight matmul 1 .*differ from its forward"),
+])
+def test_a_recompute_that_differs_raises_or_replays_the_forward(layer_class, raised):
+    layer = layer_class(name="drifting")
     layer(X)
     if BACKEND == "torch":
-        with pytest.raises(RecomputeError, match="recompute of .*drifting.* weight matmul 1 .*differ from its forward"):
+        with pytest.raises(RecomputeError, match=raised):
             _drifting_gradients(layer, True)
         return
     assert_close(_drifting_gradients(layer, True)[1], _drifting_gradients(layer, False)[1])
