@@ -416,9 +416,10 @@ class _KeptDots:
     the gradients were another function's, with no error (found 2026-12-03:
     `h = dense_1(x) * (2 if calls % 2 else 3); return x + dense_2(h)` gave
     dense_2's kernel a gradient a third off, normwise (2 where 3), in eager
-    mode and in a `tf.function`; the same on PyTorch). So with `check=True` the forward
-    also takes the fingerprint of each kept op's input, and the recompute
-    compares its own, as it compares its outputs.
+    mode and in a `tf.function`; the same on PyTorch). So with `check=True`
+    the forward also takes the fingerprint of each kept op's input, and the
+    recompute compares its own, as it compares its outputs (PyTorch: each
+    kept matmul's operands but a stored weight, in `_KeepingDots`).
     """
 
     def __init__(self, owner, name, trains, check=True):
