@@ -54,9 +54,12 @@ def backend_name():
 class CallState:
     """What the recompute of one call needs to see the forward's state."""
 
-    def __init__(self, snapshot, autocast_scope, call_context=None, attributes=()):
+    def __init__(self, snapshot, autocast_scope, call_context=None, attributes=(), global_seeds=None):
         self.snapshot = snapshot
         self.autocast_scope = autocast_scope
+        # Keras's global seed generator (NOTE [ an unseeded draw ]): Keras keeps it per thread, and
+        # autograd may run the recompute in a thread of its own (NOTE [ the recompute's thread ]).
+        self.global_seeds = global_seeds
         # The forward's call context: sub-layers called without `training`
         # read it from there, so the recompute must see the same one.
         self.call_context = call_context
@@ -66,7 +69,7 @@ class CallState:
     def map_values(self, fn):
         """The same state with `fn` applied to each snapshot value."""
         snapshot = [(variable, fn(value)) for variable, value in self.snapshot]
-        return CallState(snapshot, self.autocast_scope, self.call_context, self.attributes)
+        return CallState(snapshot, self.autocast_scope, self.call_context, self.attributes, self.global_seeds)
 
 
 # NOTE [ an RNN cell's cached masks ]
@@ -162,7 +165,7 @@ def state_variables(owner):
     return [v for v in owner.variables if not v.trainable and id(v) not in created_as_weights]
 
 
-def capture(owner, to_tensor, wait=None, eager=False):
+def capture(owner, to_tensor, wait=None, eager=False, backend=None):
     """Records the state a recompute must replay, before the forward runs.
 
     Args:
@@ -178,6 +181,10 @@ def capture(owner, to_tensor, wait=None, eager=False):
             Keras's global seed generator, which an unseeded `keras.random`
             draw advances, is made now if no draw has made it yet, so that
             its state is recorded (NOTE [ an unseeded draw ]).
+        backend: the Keras backend the call runs on (`"tensorflow"`,
+            `"torch"`). Keras's global seed generator is recorded only where
+            Keras 3 runs on it: a tf_keras call under Keras 3's PyTorch
+            backend draws nothing from it, and its state is a torch tensor.
 
     Returns:
         A `CallState`, or None when Keras 3 is not in use.
@@ -189,7 +196,8 @@ def capture(owner, to_tensor, wait=None, eager=False):
     variables = []
     if is_layer(owner):
         variables.extend(state_variables(owner))
-    global_seeds = global_state.get_global_attribute("global_seed_generator")
+    here = backend is None or backend_name() == backend
+    global_seeds = global_state.get_global_attribute("global_seed_generator") if here else None
     # NOTE [ an unseeded draw ]
     # `keras.random.uniform(shape)` with no seed draws from Keras's global seed
     # generator, which the first such draw makes (and `set_random_seed`
@@ -198,13 +206,15 @@ def capture(owner, to_tensor, wait=None, eager=False):
     # PyTorch and in TensorFlow's eager mode the first step raised
     # `RecomputeError` under "full", and under "save_dots" the check of the
     # kept matmuls' inputs is what catches it (found 2026-12-03). So it is
-    # made before the forward: the draw that would have made it finds it, with
+    # made before the forward, and the recompute sets it as Keras's global one
+    # in its thread (Keras keeps it per thread; autograd's device thread, on a
+    # GPU, had none): the draw that would have made it finds it, with
     # the seed it would have had (one draw of Python's `random`, as Keras's
     # draw makes; a call that draws no unseeded value leaves Python's `random`
     # one draw further on than the plain call would). In a `tf.function` a
     # generator the trace makes is replayed alike (exact, measured, with no
     # change); JAX refuses unseeded draws in a traced call.
-    if global_seeds is None and eager:
+    if global_seeds is None and eager and here:
         from keras.src.random.seed_generator import global_seed_generator
 
         global_seeds = global_seed_generator()
@@ -225,7 +235,9 @@ def capture(owner, to_tensor, wait=None, eager=False):
                 seen.add(id(variable))
                 snapshot.append((variable, to_tensor(variable.value)))
     attributes = _cell_masks(owner) if is_layer(owner) else []
-    return CallState(snapshot, autocast_scope, global_state.get_global_attribute("current_call_ctx"), attributes)
+    return CallState(
+        snapshot, autocast_scope, global_state.get_global_attribute("current_call_ctx"), attributes, global_seeds
+    )
 
 
 def loss_lists(owner):
@@ -253,6 +265,7 @@ class replay:
             self._scopes = (
                 stateless,
                 _SetAutocast(self._state.autocast_scope),
+                _SetGlobalSeeds(self._state.global_seeds),
                 _CallContext(self._owner, self._state.call_context),
                 _Attributes(self._state.attributes),
             )
@@ -463,6 +476,26 @@ class _SetAutocast:
         from keras.src.backend.common import global_state
 
         global_state.set_global_attribute("autocast_scope", self._previous)
+
+
+class _SetGlobalSeeds:
+    """Makes `generator` Keras's global seed generator in this thread for a block (None: leaves it)."""
+
+    def __init__(self, generator):
+        self._generator = generator
+
+    def __enter__(self):
+        from keras.src.backend.common import global_state
+
+        self._previous = global_state.get_global_attribute("global_seed_generator")
+        if self._generator is not None:
+            global_state.set_global_attribute("global_seed_generator", self._generator)
+
+    def __exit__(self, *exc_info):
+        from keras.src.backend.common import global_state
+
+        if self._generator is not None:
+            global_state.set_global_attribute("global_seed_generator", self._previous)
 
 
 # NOTE [ a functional graph's pieces ]

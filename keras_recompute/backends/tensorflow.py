@@ -130,7 +130,7 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full", offload
     forward_wait = None
     if tensor_leaves and not tf.executing_eagerly():
         forward_wait = _waiter(tensor_leaves[:1])
-    keras_state = _keras3.capture(owner, tf.convert_to_tensor, forward_wait, eager=tf.executing_eagerly())
+    keras_state = _keras3.capture(owner, tf.convert_to_tensor, forward_wait, eager=tf.executing_eagerly(), backend="tensorflow")
     if _tf_keras_builtin.loaded():  # TensorFlow's own tf.keras before 2.4
         legacy_state, loss_lists = _tf_keras_builtin.capture(owner, name), _tf_keras_builtin.loss_lists(owner)
     else:

@@ -123,7 +123,7 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full", offload
     if not torch.is_grad_enabled() or _keras3.in_symbolic_scope():
         # Nothing is saved for a backward that will not run.
         return fn(*args, **kwargs)
-    state = _keras3.capture(owner, _snapshot, eager=True)
+    state = _keras3.capture(owner, _snapshot, eager=True, backend="torch")
     # NOTE [ the recompute's thread ]: on a GPU autograd runs the backward, and so the recompute,
     # in a thread of its own, outside the caller's `recompute_scope` (a context variable); Keras's
     # thread-local state comes back with `state`, and the scope with this. A recomputed call inside
