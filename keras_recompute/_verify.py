@@ -209,7 +209,9 @@ def verify(
             recomputed_figure = _memory.compiled_peak(model, x, None, execution)
         elif memory and plain_run.peak is None:
             predicted = _model.memory_report(model, x)
-        recomputed_run = _Runs(_compiled_with_sgd(model, keras_module), keras_module, state, x, y, seed)
+        recomputed_run = _Runs(
+            _compiled_with_sgd(model, keras_module), keras_module, state, x, y, seed, plain_run.optimizer_state
+        )
         if error is not None:
             error = f"the plain step raised, so the model is wrong without recompute too: {error}"
             if y is None:
@@ -227,7 +229,10 @@ def verify(
             error is None and plain_problem is None and _step_is_compiled(model, keras_module)
             and not all(_compare(initial, plain_updates, updates)[3])
         ):
-            op_by_op = _op_by_op(model, keras_module, state, x, y, seed, initial, plain_updates, min(trials, 2), plan)
+            op_by_op = _op_by_op(
+                model, keras_module, state, x, y, seed, initial, plain_updates, min(trials, 2), plan,
+                plain_run.optimizer_state,
+            )
         report = VerifyReport(
             model.name, names, _owners(model, units), [name for name, _ in units], initial, plain_updates, updates,
             error, plain_run, recomputed_run, plain_problem, op_by_op,
@@ -400,6 +405,13 @@ class VerifyReport:
 
 def _plain_problem(model, names, updates):
     """Why the plain step is no reference, or None (NOTE [ a plain step that is wrong too ])."""
+    if updates and not any(np.any(values) for values in updates[0]):  # NOTE [ a loss-scaled step ]
+        return (
+            "keras_recompute.verify: the plain step moved no weight, so there is nothing to compare: no gradient "
+            "reaches the trainable weights, or (mixed_float16) the loss-scaled gradients overflowed at every scale "
+            f"down to 2**-{_SETTLING_STEPS - 15} and each step was skipped. Check the loss and the inputs on the "
+            "plain model."
+        )
     for update in updates:
         for name, values in zip(names, update):
             if not np.all(np.isfinite(values)):
@@ -495,18 +507,18 @@ def _random_as_op_by_op(model, keras_module):
     return config.patch(fallback_random=True)
 
 
-def _op_by_op(model, keras_module, state, x, y, seed, initial, plain_updates, trials, plan):
+def _op_by_op(model, keras_module, state, x, y, seed, initial, plain_updates, trials, plan, optimizer_state):
     """Both steps again, run op by op (NOTE [ what compiling moves ]): a dict of `compile_spread` (how far the
     compiled plain update is from the op-by-op one, normwise), `exact` (whether op by op the recomputed updates
     match the plain ones), their largest `difference` (normwise), and the `error` a step raised, or None."""
     _model.unrecompute_model(model)
     error, eager_plain = _Runs(_compiled_with_sgd(model, keras_module, op_by_op=True), keras_module, state, x, y,
-                               seed).updates(2, initial)
+                               seed, optimizer_state).updates(2, initial)
     plan()
     eager_updates = []
     if error is None:
         error, eager_updates = _Runs(_compiled_with_sgd(model, keras_module, op_by_op=True), keras_module, state, x,
-                                     y, seed).updates(trials, initial)
+                                     y, seed, optimizer_state).updates(trials, initial)
     if error is not None:
         return {"error": error, "compile_spread": None, "exact": False, "difference": None}
     scale, _, differences, exact = _compare(initial, eager_plain, eager_updates)
@@ -656,20 +668,56 @@ def _owners(model, units):
     return [by_id.get(id(w)) for w in model.weights]
 
 
-class _Runs:
-    """Steps of one copy from the same variables and seed: their updates, times and peak."""
+# NOTE [ a loss-scaled step ]
+# Under mixed_float16 Keras wraps the optimizer in a LossScaleOptimizer, whose
+# dynamic scale starts at 32768 and halves at each step whose scaled gradient
+# overflows; that step updates nothing. verify compiled its SGD copies afresh
+# and set back only the model's variables between steps, so the scale went on
+# halving from trial to trial, and a trial that no longer overflowed was
+# compared with a plain one that did: a "DIFFERS" of the whole update (found
+# 2026-12-03, PyTorch, attention over `Embedding(mask_zero=True)`: 1.09
+# normwise, every policy, where the two steps were the same function). So
+# every step of both copies starts from the same optimizer state too (the
+# scale, its step counter, the iteration), and that state is the one the plain
+# step first updates weights from: the plain copy's first steps run until one
+# does (the scale settles as in training), at most `_SETTLING_STEPS`. A plain
+# step that moves no weight at all leaves nothing to compare, and says so.
+_SETTLING_STEPS = 24  # halvings: 32768 down to below 0.002
 
-    def __init__(self, model, keras_module, state, x, y, seed):
+
+def _optimizer_variables(model):
+    """The variables a training step of `model` reads from its optimizer (NOTE [ a loss-scaled step ])."""
+    optimizer = model.optimizer
+    if getattr(optimizer, "built", True) is False and hasattr(optimizer, "build"):  # Keras 3: else at the first step
+        optimizer.build(model.trainable_variables)
+    variables = optimizer.variables
+    variables = list(variables() if callable(variables) else variables)
+    scale = getattr(optimizer, "_loss_scale", None)  # tf_keras: its dynamic scale is no variable of the optimizer's
+    return variables + [v for v in (getattr(scale, name, None) for name in ("_current_loss_scale", "_counter")) if v is not None]
+
+
+class _Runs:
+    """Steps of one copy from the same variables, optimizer state and seed: their updates, times and peak.
+
+    `optimizer_state`: what each step's optimizer starts from (another copy's `optimizer_state`, NOTE [ a
+    loss-scaled step ]); None: this copy's own, the state its first steps settle to.
+    """
+
+    def __init__(self, model, keras_module, state, x, y, seed, optimizer_state=None):
         self._model = model
         self._keras = keras_module
         self._state = state
         self._x, self._y, self._seed = x, y, seed
         self._times = []
         self.peak = None
+        self.optimizer_state = optimizer_state
 
-    def _reset(self):
+    def _reset(self, optimizer=True):
         for variable, value in zip(_state_variables(self._model, self._keras), self._state):
             variable.assign(value)
+        if optimizer:
+            for variable, value in zip(_optimizer_variables(self._model), self.optimizer_state):
+                variable.assign(value)
         self._keras.utils.set_random_seed(self._seed)
 
     def _step(self):
@@ -677,12 +725,34 @@ class _Runs:
         self._model.train_on_batch(self._x, self._y)
         return time.perf_counter() - started
 
+    def _settle(self):
+        """The first steps, traced and compiled, not timed; then the optimizer state each step starts from."""
+        loss_scaled = "LossScale" in type(self._model.optimizer).__name__
+        for _ in range(_SETTLING_STEPS if loss_scaled and self.optimizer_state is None else 1):
+            before = [np.array(v) for v in _optimizer_variables(self._model)]
+            self._reset(optimizer=False)
+            self._step()
+            if self._moved():
+                break
+        variables = _optimizer_variables(self._model)
+        if self.optimizer_state is None:
+            self.optimizer_state = before if len(before) == len(variables) else [np.array(v) for v in variables]
+        elif [np.shape(v) for v in self.optimizer_state] != [tuple(v.shape) for v in variables]:
+            raise ValueError(
+                "keras_recompute.verify: the recomputed copy's optimizer has other variables than the plain copy's "
+                f"({len(variables)} against {len(self.optimizer_state)}): please report it with the model."
+            )
+
+    def _moved(self):
+        """Whether the last step moved a trainable weight from where the steps start."""
+        start = {id(v): value for v, value in zip(_state_variables(self._model, self._keras), self._state)}
+        return any(np.any(np.asarray(w) != start[id(w)]) for w in self._model.trainable_weights if id(w) in start)
+
     def updates(self, trials, initial):
         """`(error, updates)`: the first update of each weight in each trial, or the error a step raised."""
         updates = []
         try:
-            self._reset()
-            self._step()  # traced and compiled here, not timed
+            self._settle()
             for _ in range(trials):
                 self._reset()
                 with _Peak(self._model) as peak:

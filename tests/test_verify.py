@@ -204,6 +204,77 @@ def test_a_plain_step_that_is_not_finite_is_named():
     assert not report.ok and "plain step's update of" in report.failure and "not finite" in report.failure, report.failure
 
 
+class DenseBlock(layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.up = layers.Dense(32, activation="gelu")
+        self.down = layers.Dense(16)
+
+    def call(self, inputs):
+        return inputs + self.down(self.up(inputs))
+
+
+@pytest.fixture
+def mixed_float16():
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        yield
+    finally:
+        keras.config.set_dtype_policy("float32")
+
+
+def test_a_loss_scaled_model_is_compared_at_the_scale_it_settles_to(mixed_float16):
+    """NOTE [ a loss-scaled step ]: targets of 100 overflow the float16 gradients at the first loss scales (32768
+    down to 4096), and each copy's optimizer halved its scale from step to step, so the recomputed trials that no
+    longer overflowed were compared with plain steps that did: DIFFERS, with the whole update (1.09 normwise found
+    on attention over a mask_zero Embedding, PyTorch)."""
+    x = np.random.RandomState(1).normal(size=(8, 16)).astype("float32")
+    y = np.full((8, 1), 100.0, "float32")
+    model = blocks_model(DenseBlock)
+    assert "LossScale" in type(model.optimizer).__name__
+    report = verify(model, x, y, trials=8, plain_trials=2, memory=False)
+    assert report.ok, str(report)
+    assert max(row["difference"] for row in report.rows) == 0.0 or BACKEND != "torch", str(report)
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="tf_keras runs on TensorFlow")
+def test_a_loss_scaled_tf_keras_model_is_compared_at_the_scale_it_settles_to():
+    """The same on tf_keras, whose dynamic loss scale is no variable of its optimizer's (`_loss_scale`)."""
+    import tf_keras
+
+    tf_keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+
+        class Block(tf_keras.layers.Layer):
+            def __init__(self, **kwargs):
+                super().__init__(**kwargs)
+                self.up = tf_keras.layers.Dense(32, activation="gelu")
+                self.down = tf_keras.layers.Dense(16)
+
+            def call(self, inputs):
+                return inputs + self.down(self.up(inputs))
+
+        tf_keras.utils.set_random_seed(0)
+        inputs = tf_keras.Input((16,))
+        hidden = inputs
+        for _ in range(3):
+            hidden = Block()(hidden)
+        model = tf_keras.Model(inputs, tf_keras.layers.Dense(1)(hidden))
+        model.compile(optimizer="adam", loss="mse")
+    finally:
+        tf_keras.mixed_precision.set_global_policy("float32")
+    x = np.random.RandomState(1).normal(size=(8, 16)).astype("float32")
+    report = verify(model, x, np.full((8, 1), 100.0, "float32"), blocks=Block, trials=8, plain_trials=2, memory=False)
+    assert report.ok, str(report)
+
+
+def test_a_plain_step_that_moves_no_weight_is_named(mixed_float16):
+    """Targets past float16's range: every loss-scaled step overflows, at every scale, and is skipped."""
+    x = np.random.RandomState(1).normal(size=(8, 16)).astype("float32")
+    report = verify(blocks_model(DenseBlock), x, np.full((8, 1), 1e9, "float32"), trials=2, memory=False)
+    assert not report.ok and "the plain step moved no weight" in report.failure, report.failure
+
+
 def test_bad_arguments_say_what_to_do():
     model = attention_model(keras)
     with pytest.raises(ValueError, match="not compiled"):
