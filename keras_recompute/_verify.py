@@ -693,7 +693,8 @@ def _optimizer_variables(model):
     variables = optimizer.variables
     variables = list(variables() if callable(variables) else variables)
     scale = getattr(optimizer, "_loss_scale", None)  # tf_keras: its dynamic scale is no variable of the optimizer's
-    return variables + [v for v in (getattr(scale, name, None) for name in ("_current_loss_scale", "_counter")) if v is not None]
+    scale_variables = (getattr(scale, name, None) for name in ("_current_loss_scale", "_counter"))
+    return variables + [v for v in scale_variables if v is not None]
 
 
 class _Runs:

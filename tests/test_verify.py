@@ -225,7 +225,7 @@ def mixed_float16():
 
 def test_a_loss_scaled_model_is_compared_at_the_scale_it_settles_to(mixed_float16):
     """NOTE [ a loss-scaled step ]: targets of 100 overflow the float16 gradients at the first loss scales (32768
-    down to 4096), and each copy's optimizer halved its scale from step to step, so the recomputed trials that no
+    down to 512; it settles at 256 on PyTorch), and each copy's optimizer halved its scale from step to step, so the recomputed trials that no
     longer overflowed were compared with plain steps that did: DIFFERS, with the whole update (1.09 normwise found
     on attention over a mask_zero Embedding, PyTorch)."""
     x = np.random.RandomState(1).normal(size=(8, 16)).astype("float32")
