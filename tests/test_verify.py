@@ -204,14 +204,22 @@ def test_a_plain_step_that_is_not_finite_is_named():
     assert not report.ok and "plain step's update of" in report.failure and "not finite" in report.failure, report.failure
 
 
-class DenseBlock(layers.Layer):
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.up = layers.Dense(32, activation="gelu")
-        self.down = layers.Dense(16)
+def dense_block_class(K):
+    """A residual Dense block's class, built with `K` (`keras` or `tf_keras`)."""
 
-    def call(self, inputs):
-        return inputs + self.down(self.up(inputs))
+    class DenseBlock(K.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.up = K.layers.Dense(32, activation="gelu")
+            self.down = K.layers.Dense(16)
+
+        def call(self, inputs):
+            return inputs + self.down(self.up(inputs))
+
+    return DenseBlock
+
+
+DenseBlock = dense_block_class(keras)
 
 
 @pytest.fixture
@@ -244,16 +252,7 @@ def test_a_loss_scaled_tf_keras_model_is_compared_at_the_scale_it_settles_to():
 
     tf_keras.mixed_precision.set_global_policy("mixed_float16")
     try:
-
-        class Block(tf_keras.layers.Layer):
-            def __init__(self, **kwargs):
-                super().__init__(**kwargs)
-                self.up = tf_keras.layers.Dense(32, activation="gelu")
-                self.down = tf_keras.layers.Dense(16)
-
-            def call(self, inputs):
-                return inputs + self.down(self.up(inputs))
-
+        Block = dense_block_class(tf_keras)
         tf_keras.utils.set_random_seed(0)
         inputs = tf_keras.Input((16,))
         hidden = inputs
