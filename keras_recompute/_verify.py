@@ -87,6 +87,15 @@ _REASSOCIATION = 1e-5  # of the largest update: what reordering float sums moves
 # were 0.02 and 0.047): verify then says it cannot tell on that batch. A race
 # with the optimizer shows only in a compiled step, but a tf.function moves
 # the plain step by (nearly) nothing from op by op, and the allowance with it.
+# And where the compiled recomputed step is the plain step run op by op
+# (within reassociation, in every trial), it is exact against the reference
+# itself, and it is compiling the plain step that moved: JAX's jit under
+# mixed_bfloat16, save_dots (benchmarks/layer_setups.py, 2026-12-03, CPU):
+# the kept dot outputs are bfloat16 tensors, rounded as op by op, where the
+# plain step's fusions keep float32 between ops; the plain compiled update
+# moved 4.0e-3 to 1.2e-2 from op by op, the recomputed compiled one 0, and
+# verify said "cannot tell" on 15 rows of 15. 14 pass now, as the plain step
+# op by op (a frozen BatchNorm's block is 7.0e-3 from it: still cannot tell).
 _COMPILER_FACTOR = 10
 _NO_YARDSTICK = 0.01  # normwise: an allowance this large would pass a wrong update
 
@@ -261,8 +270,8 @@ def verify(
             and not all(_compare(initial, plain_updates, updates)[3])
         ):
             op_by_op = _op_by_op(
-                model, keras_module, arguments, state, x, y, seed, initial, plain_updates, min(trials, 2), plan,
-                plain_run.optimizer_state,
+                model, keras_module, arguments, state, x, y, seed, initial, plain_updates, updates, min(trials, 2),
+                plan, plain_run.optimizer_state,
             )
         found = (
             model.name, names, _owners(model, units), [name for name, _ in units], initial, plain_updates, updates,
@@ -303,8 +312,10 @@ class VerifyReport:
         op_by_op: where a compiled comparison failed, both steps run op by op
             (`run_eagerly=True`): a dict of `compile_spread` (the compiled
             plain update against the op-by-op one, normwise), `exact`
-            (whether op by op the recomputed step matched), `difference`
-            and `error`; None where it was not needed.
+            (whether op by op the recomputed step matched), `difference`,
+            `as_op_by_op` (whether the compiled recomputed step matched the
+            plain one run op by op) with `as_op_by_op_difference`, and
+            `error`; None where it was not needed.
         rewrites: where a tf.function comparison failed though op by op the
             steps match, both steps compiled again with TensorFlow's
             arithmetic optimizer off (NOTE [ a graph optimizer's rewrite ]):
@@ -337,14 +348,17 @@ class VerifyReport:
         # NOTE [ what compiling moves ]: op_by_op is measured only where a compiled comparison failed
         self.op_by_op = op_by_op
         allowance = 0.0
+        as_op_by_op = False  # the compiled recomputed step is plain's run op by op (NOTE [ what compiling moves ])
         if op_by_op is not None and op_by_op["error"] is None and op_by_op["exact"]:
             allowance = _COMPILER_FACTOR * op_by_op["compile_spread"] * scale
+            as_op_by_op = bool(op_by_op.get("as_op_by_op"))
+        self._as_op_by_op = as_op_by_op
         # NOTE [ a graph optimizer's rewrite ]: measured only where op by op the steps match
         self.rewrites = rewrites
         rewritten = self._rewritten = rewrites is not None and rewrites["error"] is None and rewrites["exact"]
-        cannot_tell = self.cannot_tell = allowance >= _NO_YARDSTICK * scale and not rewritten
+        cannot_tell = self.cannot_tell = allowance >= _NO_YARDSTICK * scale and not rewritten and not as_op_by_op
         passed = [
-            e or (d <= allowance and not cannot_tell) or (rewritten and d < _NO_YARDSTICK * scale)
+            e or as_op_by_op or (d <= allowance and not cannot_tell) or (rewritten and d < _NO_YARDSTICK * scale)
             for e, d in zip(exact, differences)
         ]
         groups = {}
@@ -424,7 +438,7 @@ class VerifyReport:
             [
                 row["unit"], row["weight"], f"{row['difference']:.2e}" if ran else "-",
                 f"{row['spread']:.2e}" if ran else "-",
-                _verdict(row, self.cannot_tell, self._rewritten) if ran else "not compared",
+                _verdict(row, self.cannot_tell, self._rewritten, self._as_op_by_op) if ran else "not compared",
             ]
             for row in self.rows
         ]
@@ -437,7 +451,15 @@ class VerifyReport:
             text.append("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip())
             if index == 0:
                 text.append("  ".join("-" * width for width in widths))
-        if self.ok and any(row["rounding"] for row in self.rows) and self._rewritten:
+        if self.ok and any(row["rounding"] for row in self.rows) and self._as_op_by_op:
+            worst = max(row["difference"] for row in self.rows)
+            text.append(
+                f"plain step's compiler rounding: the compiled steps differ by up to {worst:.2e}, but the compiled "
+                "recomputed step is the plain step run op by op "
+                f"({self.op_by_op['as_op_by_op_difference']:.2e}): it is compiling the plain step that moves it "
+                f"({self.op_by_op['compile_spread']:.2e} from op by op), not the recompute"
+            )
+        elif self.ok and any(row["rounding"] for row in self.rows) and self._rewritten:
             worst = max(row["difference"] for row in self.rows)
             text.append(
                 f"graph optimizer's rounding: the tf.function steps differ by up to {worst:.2e}; compiled with "
@@ -540,9 +562,11 @@ def _plain_problem(model, names, updates):
     return None
 
 
-def _verdict(row, cannot_tell, rewritten=False):
+def _verdict(row, cannot_tell, rewritten=False, as_op_by_op=False):
     if not row["ok"]:
         return "cannot tell" if cannot_tell else "DIFFERS"
+    if row["rounding"] and as_op_by_op:
+        return "ok (as the plain step op by op)"
     if row["rounding"]:
         return "ok (graph optimizer's rounding)" if rewritten else "ok (compiler's rounding)"
     return "ok"
@@ -590,11 +614,13 @@ def _random_as_op_by_op(model, keras_module):
     return config.patch(fallback_random=True)
 
 
-def _op_by_op(model, keras_module, arguments, state, x, y, seed, initial, plain_updates, trials, plan,
+def _op_by_op(model, keras_module, arguments, state, x, y, seed, initial, plain_updates, updates, trials, plan,
               optimizer_state):
     """Both steps again, run op by op (NOTE [ what compiling moves ]): a dict of `compile_spread` (how far the
     compiled plain update is from the op-by-op one, normwise), `exact` (whether op by op the recomputed updates
-    match the plain ones), their largest `difference` (normwise), and the `error` a step raised, or None."""
+    match the plain ones), their largest `difference` (normwise), `as_op_by_op` (whether the compiled recomputed
+    `updates` match the plain op-by-op ones, every trial) and `as_op_by_op_difference`, and the `error` a step
+    raised, or None."""
     _model.unrecompute_model(model)
     error, eager_plain = _Runs(_compiled_with_sgd(model, keras_module, arguments, op_by_op=True), keras_module, state,
                                x, y, seed, optimizer_state).updates(2, initial)
@@ -604,8 +630,10 @@ def _op_by_op(model, keras_module, arguments, state, x, y, seed, initial, plain_
         error, eager_updates = _Runs(_compiled_with_sgd(model, keras_module, arguments, op_by_op=True), keras_module,
                                      state, x, y, seed, optimizer_state).updates(trials, initial)
     if error is not None:
-        return {"error": error, "compile_spread": None, "exact": False, "difference": None}
+        return {"error": error, "compile_spread": None, "exact": False, "difference": None, "as_op_by_op": False,
+                "as_op_by_op_difference": None}
     scale, _, differences, exact = _compare(initial, eager_plain, eager_updates)
+    _, _, compiled_differences, compiled_exact = _compare(initial, eager_plain, updates)
     compiled_scale = _compare(initial, plain_updates, [])[0]
     compile_spread = max(
         (float(np.max(np.abs(e - c), initial=0.0)) for e, c in zip(eager_plain[0], plain_updates[0])), default=0.0
@@ -615,6 +643,8 @@ def _op_by_op(model, keras_module, arguments, state, x, y, seed, initial, plain_
         "compile_spread": compile_spread,
         "exact": all(exact),
         "difference": max(differences, default=0.0) / scale,
+        "as_op_by_op": all(compiled_exact),
+        "as_op_by_op_difference": max(compiled_differences, default=0.0) / scale,
     }
 
 
