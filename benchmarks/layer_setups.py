@@ -21,13 +21,15 @@ Each configuration (backend, compile mode, dtype) runs in a fresh process:
 TensorFlow in `tf.function` (Keras's default), op by op (`run_eagerly=True`)
 and under XLA (`jit_compile=True`); JAX's jit; PyTorch; each in float32 and
 under `mixed_bfloat16` and `mixed_float16` (TensorFlow's and PyTorch's
-`tf.function`/default step). A row's verdict is verify's: `ok`, `graph
-rounding` (ok: a tf.function difference that is none with Grappler's
-arithmetic optimizer off, and none op by op: NOTE [ a graph optimizer's
-rewrite ]), `cannot tell` (where compiling alone moves the plain step as far
-as the difference, and op by op the recomputed step matches: NOTE [ what
-compiling moves ] in `keras_recompute/_verify.py`), `DIFFERS`, or `plain
-fails` (the model is wrong without recompute: the plain step raised). A row
+`tf.function`/default step). A row's verdict is verify's: `ok`, `as op by
+op` (ok: compiling moved the plain step, and the compiled recomputed step is
+the plain step run op by op: NOTE [ what compiling moves ] in
+`keras_recompute/_verify.py`), `graph rounding` (ok: a tf.function
+difference that is none with Grappler's arithmetic optimizer off, and none op
+by op: NOTE [ a graph optimizer's rewrite ]), `cannot tell` (where compiling
+alone moves the plain step as far as the difference, and op by op the
+recomputed step matches), `DIFFERS`, or `plain fails` (the model is wrong
+without recompute: the plain step raised). A row
 `refused` is Keras's (int8 under float16). verify's table names the units
 it recomputed; each row records them, so a row where nothing was recomputed
 cannot pass.
@@ -219,8 +221,10 @@ for kind in CASES:
             row.update(verdict="raised", failure=f"{type(error).__name__}: {str(error)[:500]}", ok=False)
         else:
             failure = report.failure or ""
-            graph_rounding = report.ok and report.rewrites is not None and any(r["rounding"] for r in report.rows)
-            verdict = ("graph rounding" if graph_rounding else "ok" if report.ok
+            rounding = report.ok and any(r["rounding"] for r in report.rows)
+            as_op_by_op = rounding and report.op_by_op is not None and report.op_by_op["as_op_by_op"]
+            verdict = ("as op by op" if as_op_by_op else "graph rounding" if rounding and report.rewrites is not None
+                       else "ok" if report.ok
                        else "plain fails" if "the plain step raised" in failure
                        else "cannot tell" if report.cannot_tell else "DIFFERS")
             compared = [r for r in report.rows if r["unit"] in report.units]
@@ -233,7 +237,7 @@ for kind in CASES:
                 rewrites=report.rewrites,
                 failure=failure[:500] or None,
                 # ok: verify's ok; cannot tell only where op by op the recomputed step matched; plain's own failure
-                ok=bool(report.units) and (verdict in ("ok", "graph rounding", "plain fails") or (
+                ok=bool(report.units) and (verdict in ("ok", "as op by op", "graph rounding", "plain fails") or (
                     verdict == "cannot tell" and report.op_by_op is not None and report.op_by_op["exact"])),
             )
         rows.append(row)
