@@ -451,16 +451,16 @@ class VerifyReport:
             text.append("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip())
             if index == 0:
                 text.append("  ".join("-" * width for width in widths))
-        if self.ok and any(row["rounding"] for row in self.rows) and self._as_op_by_op:
-            worst = max(row["difference"] for row in self.rows)
+        rounding = self.ok and any(row["rounding"] for row in self.rows)
+        worst = max((row["difference"] for row in self.rows), default=0.0)
+        if rounding and self._as_op_by_op:
             text.append(
                 f"plain step's compiler rounding: the compiled steps differ by up to {worst:.2e}, but the compiled "
                 "recomputed step is the plain step run op by op "
                 f"({self.op_by_op['as_op_by_op_difference']:.2e}): it is compiling the plain step that moves it "
                 f"({self.op_by_op['compile_spread']:.2e} from op by op), not the recompute"
             )
-        elif self.ok and any(row["rounding"] for row in self.rows) and self._rewritten:
-            worst = max(row["difference"] for row in self.rows)
+        elif rounding and self._rewritten:
             text.append(
                 f"graph optimizer's rounding: the tf.function steps differ by up to {worst:.2e}; compiled with "
                 "TensorFlow's arithmetic optimizer off they match "
@@ -469,8 +469,7 @@ class VerifyReport:
                 "Training is exact with tf.config.optimizer.set_experimental_options({'arithmetic_optimization': "
                 "False})"
             )
-        elif self.ok and any(row["rounding"] for row in self.rows):
-            worst = max(row["difference"] for row in self.rows)
+        elif rounding:
             text.append(
                 f"compiler's rounding: the compiled steps differ by up to {worst:.2e}, within "
                 f"{_COMPILER_FACTOR}x what compiling alone moves the plain step ({self.op_by_op['compile_spread']:.2e} "

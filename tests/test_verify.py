@@ -492,14 +492,9 @@ class TiedBlock(layers.Layer):
         return inputs + self.d2(hidden) + 0.1 * ops.matmul(hidden, ops.transpose(self.d1.kernel))[..., :16]
 
 
-@pytest.mark.skipif(BACKEND != "jax", reason="measured on JAX's jit (XLA) on a CPU")
-def test_a_recomputed_step_that_rounds_as_op_by_op_passes_where_compiling_moves_the_plain_one():
-    """The tied block under mixed_bfloat16, save_dots, JAX's jit on a CPU: the kept dot outputs are bfloat16, rounded
-    as op by op, where the plain step's fusions keep float32; the plain compiled update moves 1.1e-2 (normwise) from
-    op by op, the recomputed compiled one 0, and verify said "cannot tell". It is plain's op by op: OK."""
-    if on_a_gpu():
-        pytest.skip("measured on a CPU (a GPU's fusions round otherwise)")
-    keras.config.set_dtype_policy("mixed_bfloat16")
+def tied_model(dtype_policy):
+    """`(model, x, y)`: two TiedBlocks and a head, built under `dtype_policy`, and a batch of 8 x 10 steps."""
+    keras.config.set_dtype_policy(dtype_policy)
     try:
         keras.utils.set_random_seed(0)
         inputs = keras.Input((10, 16))
@@ -508,7 +503,17 @@ def test_a_recomputed_step_that_rounds_as_op_by_op_passes_where_compiling_moves_
     finally:
         keras.config.set_dtype_policy("float32")
     x = np.random.RandomState(0).rand(8, 10, 16).astype("float32") - 0.5
-    y = np.random.RandomState(1).rand(8, 10, 1).astype("float32")
+    return model, x, np.random.RandomState(1).rand(8, 10, 1).astype("float32")
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="measured on JAX's jit (XLA) on a CPU")
+def test_a_recomputed_step_that_rounds_as_op_by_op_passes_where_compiling_moves_the_plain_one():
+    """The tied block under mixed_bfloat16, save_dots, JAX's jit on a CPU: the kept dot outputs are bfloat16, rounded
+    as op by op, where the plain step's fusions keep float32; the plain compiled update moves 1.1e-2 (normwise) from
+    op by op, the recomputed compiled one 0, and verify said "cannot tell". It is plain's op by op: OK."""
+    if on_a_gpu():
+        pytest.skip("measured on a CPU (a GPU's fusions round otherwise)")
+    model, x, y = tied_model("mixed_bfloat16")
     report = verify(model, x, y, blocks=TiedBlock, policy="save_dots", trials=4, memory=False)
     assert report.ok, str(report)
     assert report.op_by_op is not None, "the compiled steps matched: compiling did not move the plain step"
@@ -567,16 +572,7 @@ def test_a_recomputed_step_the_graph_optimizer_rewrites_passes_as_its_rounding()
     rounding; the user's optimizer options come back."""
     import tensorflow as tf
 
-    keras.config.set_dtype_policy("mixed_float16")
-    try:
-        keras.utils.set_random_seed(0)
-        inputs = keras.Input((10, 16))
-        hidden = TiedBlock()(TiedBlock()(inputs))
-        model = compiled(keras.Model(inputs, layers.Dense(1)(hidden)))
-    finally:
-        keras.config.set_dtype_policy("float32")
-    x = np.random.RandomState(0).rand(8, 10, 16).astype("float32") - 0.5
-    y = np.random.RandomState(1).rand(8, 10, 1).astype("float32")
+    model, x, y = tied_model("mixed_float16")
     tf.config.optimizer.set_experimental_options({"constant_folding": True})
     try:
         before = tf.config.optimizer.get_experimental_options()
