@@ -613,6 +613,21 @@ def _random_as_op_by_op(model, keras_module):
     return config.patch(fallback_random=True)
 
 
+def _both_steps(model, keras_module, arguments, state, x, y, seed, initial, trials, plan, optimizer_state,
+                op_by_op=False):
+    """`(error, plain, recomputed)`: the plain step's updates twice, then (the model planned again by `plan`) the
+    recomputed step's `trials` times, each compiled anew from `arguments` and started from `optimizer_state`."""
+    _model.unrecompute_model(model)
+    error, plain = _Runs(_compiled_with_sgd(model, keras_module, arguments, op_by_op), keras_module, state, x, y,
+                         seed, optimizer_state).updates(2, initial)
+    plan()
+    recomputed = []
+    if error is None:
+        error, recomputed = _Runs(_compiled_with_sgd(model, keras_module, arguments, op_by_op), keras_module, state,
+                                  x, y, seed, optimizer_state).updates(trials, initial)
+    return error, plain, recomputed
+
+
 def _op_by_op(model, keras_module, arguments, state, x, y, seed, initial, plain_updates, updates, trials, plan,
               optimizer_state):
     """Both steps again, run op by op (NOTE [ what compiling moves ]): a dict of `compile_spread` (how far the
@@ -620,14 +635,9 @@ def _op_by_op(model, keras_module, arguments, state, x, y, seed, initial, plain_
     match the plain ones), their largest `difference` (normwise), `as_op_by_op` (whether the compiled recomputed
     `updates` match the plain op-by-op ones, every trial) and `as_op_by_op_difference`, and the `error` a step
     raised, or None."""
-    _model.unrecompute_model(model)
-    error, eager_plain = _Runs(_compiled_with_sgd(model, keras_module, arguments, op_by_op=True), keras_module, state,
-                               x, y, seed, optimizer_state).updates(2, initial)
-    plan()
-    eager_updates = []
-    if error is None:
-        error, eager_updates = _Runs(_compiled_with_sgd(model, keras_module, arguments, op_by_op=True), keras_module,
-                                     state, x, y, seed, optimizer_state).updates(trials, initial)
+    error, eager_plain, eager_updates = _both_steps(
+        model, keras_module, arguments, state, x, y, seed, initial, trials, plan, optimizer_state, op_by_op=True
+    )
     if error is not None:
         return {"error": error, "compile_spread": None, "exact": False, "difference": None, "as_op_by_op": False,
                 "as_op_by_op_difference": None}
@@ -681,14 +691,9 @@ def _without_rewrites(model, keras_module, arguments, state, x, y, seed, initial
     dict of `exact` (whether the recomputed updates then match the plain ones), their largest `difference`
     (normwise) and the `error` a step raised, or None."""
     with _arithmetic_optimizer_off():
-        _model.unrecompute_model(model)
-        error, plain = _Runs(_compiled_with_sgd(model, keras_module, arguments), keras_module, state, x, y, seed,
-                             optimizer_state).updates(2, initial)
-        plan()
-        recomputed = []
-        if error is None:
-            error, recomputed = _Runs(_compiled_with_sgd(model, keras_module, arguments), keras_module, state, x, y,
-                                      seed, optimizer_state).updates(trials, initial)
+        error, plain, recomputed = _both_steps(
+            model, keras_module, arguments, state, x, y, seed, initial, trials, plan, optimizer_state
+        )
     if error is not None:
         return {"error": error, "exact": False, "difference": None}
     scale, _, differences, exact = _compare(initial, plain, recomputed)
