@@ -466,6 +466,21 @@ def test_a_compiled_difference_is_the_compilers_only_within_its_yardstick():
     assert _report_of(5e-3, _op_by_op(9e-4)).ok
 
 
+def test_where_compiling_moves_the_plain_step_too_far_a_difference_below_a_fixed_bound_passes():
+    """NOTE [ what compiling moves ]: with no yardstick (compiling moves the plain step 1e-3 or more), a compiled
+    difference up to 1e-3 passes as the compiler's rounding, where op by op the steps match; beyond it, or where op
+    by op they differ, it does not. keras.applications' ResNet50V2 on two random images, JAX on a CPU: 5.3e-5, with
+    compiling moving the plain step 1.7e-3."""
+    resnet = _report_of(5.3e-5, _op_by_op(1.7e-3))
+    assert resnet.ok and not resnet.cannot_tell and resnet.rows[0]["rounding"], str(resnet)
+    assert "ok (compiler's rounding)" in str(resnet) and "below 0.001 and what compiling alone moves" in str(resnet)
+    assert _report_of(1e-3, _op_by_op(0.25)).ok
+    for beyond in (_report_of(1.1e-3, _op_by_op(1.7e-3)), _report_of(0.25, _op_by_op(1.0))):
+        assert not beyond.ok and beyond.cannot_tell and "more than 0.001" in beyond.failure, beyond.failure
+    wrong = _report_of(5.3e-5, _op_by_op(1.7e-3, difference=5.3e-5))  # op by op they differ: no allowance
+    assert not wrong.ok and not wrong.cannot_tell and "DIFFERS" in str(wrong), str(wrong)
+
+
 def test_a_plain_step_that_compiling_moves_passes_where_the_recomputed_one_is_plains_op_by_op():
     """NOTE [ what compiling moves ]: where compiling moves the plain step as far as the difference (no yardstick:
     "cannot tell"), a compiled recomputed step that is the plain step run op by op passes; one that is not does
