@@ -7,10 +7,12 @@ with SGD and MSE. `verify(model, x, zeros, trials=2)` runs the compiled step pla
 `recompute_model(blocks="auto")`: "auto" cuts the backbone's graph into its blocks (NOTE [ a model
 inside a model ], NOTE [ blocks that are pieces of a graph ] in `keras_recompute/_model.py`), and
 every weight's first update, BatchNorm's moving statistics with them, is compared (NOTE [ what verify
-compares ]). The JSON records per model the verdict, the units recomputed and the seconds taken.
-"cannot tell": compiling alone moved the plain step's update more than the recomputed step differs
-(BatchNorm over a batch of 2 random images is ill-conditioned); `op_by_op_exact` says whether the two
-steps run op by op (`run_eagerly=True`) matched.
+compares ]). The JSON records per model the verdict, the units recomputed, the largest difference
+(normwise) and the seconds taken. Where the compiled steps differ beyond reassociation, both ran again
+op by op (`run_eagerly=True`): `op_by_op_exact` says whether they matched there and `compile_spread`
+how far compiling alone moved the plain step's update (BatchNorm over a batch of 2 random images is
+ill-conditioned); "cannot tell": the compiled difference is beyond what that allows (NOTE [ what
+compiling moves ]).
 
 ```
 KERAS_BACKEND=torch python benchmarks/cnn_verify_all.py --out benchmarks/results/cnn_verify_all_torch.json
@@ -116,6 +118,8 @@ def main(argv=None):
             if report.op_by_op is not None and report.op_by_op.get("error") is None:
                 # NOTE [ what compiling moves ]: where the compiled steps differ, both ran again op by op
                 row["op_by_op_exact"] = bool(report.op_by_op["exact"])
+                row["compile_spread"] = report.op_by_op["compile_spread"]  # what compiling moves the plain step
+            row["difference"] = max((r["difference"] for r in report.rows), default=None)  # normwise
             if not report.ok:
                 row["report"] = str(report)
         except Exception as error:  # a model that does not build or train here: recorded with its error
