@@ -404,9 +404,9 @@ class VerifyReport:
                 f"keras_recompute.verify: cannot tell on this batch: the compiled steps differ by up to "
                 f"{max(differences) / scale:.3g} (normwise), more than {_BELOW_COMPILING:g}, and compiling alone "
                 f"moves the plain step's update {op_by_op['compile_spread']:.3g} from the same step run op by op, so "
-                "a difference of that size says nothing; run op by op (run_eagerly=True), the recomputed step matches the plain one. Verify "
-                "with a batch like your training data (constant inputs under BatchNorm make a step this "
-                "ill-conditioned), or compile the model with run_eagerly=True for verify."
+                "a difference of that size says nothing; run op by op (run_eagerly=True), the recomputed step "
+                "matches the plain one. Verify with a batch like your training data (constant inputs under "
+                "BatchNorm make a step this ill-conditioned), or compile the model with run_eagerly=True for verify."
             )
         elif not self.ok:
             # A unit whose gradient is wrong passes it on to every weight before it: the unit to
@@ -490,7 +490,8 @@ class VerifyReport:
             )
             text.append(
                 f"compiler's rounding: the compiled steps differ by up to {worst:.2e}, {within} "
-                f"({self.op_by_op['compile_spread']:.2e} from the same step run op by op), and run op by op the recomputed step matches the plain one "
+                f"({self.op_by_op['compile_spread']:.2e} from the same step run op by op), and run op by op the "
+                "recomputed step matches the plain one "
                 f"({self.op_by_op['difference']:.2e}): the compiler makes the recomputed step another program, "
                 "whose float rounding this model amplifies"
             )
