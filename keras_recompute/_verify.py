@@ -362,10 +362,9 @@ class VerifyReport:
         if op_by_op is not None and op_by_op["error"] is None and op_by_op["exact"]:
             allowance = _COMPILER_FACTOR * op_by_op["compile_spread"] * scale
             as_op_by_op = bool(op_by_op.get("as_op_by_op"))
-        self._as_op_by_op = as_op_by_op
         # NOTE [ a graph optimizer's rewrite ]: measured only where op by op the steps match
         self.rewrites = rewrites
-        rewritten = self._rewritten = rewrites is not None and rewrites["error"] is None and rewrites["exact"]
+        rewritten = rewrites is not None and rewrites["error"] is None and rewrites["exact"]
         no_yardstick = allowance >= _NO_YARDSTICK * scale and not rewritten and not as_op_by_op
         if no_yardstick:  # NOTE [ what compiling moves ]: a fixed bound, below what compiling moves the plain step
             allowance = _BELOW_COMPILING * scale
@@ -374,7 +373,11 @@ class VerifyReport:
             for e, d in zip(exact, differences)
         ]
         self.cannot_tell = cannot_tell = no_yardstick and not all(passed)
-        self._below_compiling = no_yardstick and not cannot_tell
+        # What a weight that passes but not bitwise is put down to (its verdict and the report's line say it).
+        self._rounding = (
+            "plain op by op" if as_op_by_op else "graph optimizer" if rewritten
+            else "fixed bound" if no_yardstick else "compiler"
+        )
         groups = {}
         for index, owner in enumerate(owners):
             groups.setdefault(owner, []).append(index)
@@ -452,7 +455,7 @@ class VerifyReport:
             [
                 row["unit"], row["weight"], f"{row['difference']:.2e}" if ran else "-",
                 f"{row['spread']:.2e}" if ran else "-",
-                _verdict(row, self.cannot_tell, self._rewritten, self._as_op_by_op) if ran else "not compared",
+                _verdict(row, self.cannot_tell, self._rounding) if ran else "not compared",
             ]
             for row in self.rows
         ]
@@ -467,14 +470,14 @@ class VerifyReport:
                 text.append("  ".join("-" * width for width in widths))
         rounding = self.ok and any(row["rounding"] for row in self.rows)
         worst = max((row["difference"] for row in self.rows), default=0.0)
-        if rounding and self._as_op_by_op:
+        if rounding and self._rounding == "plain op by op":
             text.append(
                 f"plain step's compiler rounding: the compiled steps differ by up to {worst:.2e}, but the compiled "
                 "recomputed step is the plain step run op by op "
                 f"({self.op_by_op['as_op_by_op_difference']:.2e}): it is compiling the plain step that moves it "
                 f"({self.op_by_op['compile_spread']:.2e} from op by op), not the recompute"
             )
-        elif rounding and self._rewritten:
+        elif rounding and self._rounding == "graph optimizer":
             text.append(
                 f"graph optimizer's rounding: the tf.function steps differ by up to {worst:.2e}; compiled with "
                 "TensorFlow's arithmetic optimizer off they match "
@@ -484,16 +487,13 @@ class VerifyReport:
                 "False})"
             )
         elif rounding:
-            within = (
-                f"below {_BELOW_COMPILING:g} and what compiling alone moves the plain step" if self._below_compiling
-                else f"within {_COMPILER_FACTOR}x what compiling alone moves the plain step"
-            )
+            fixed = self._rounding == "fixed bound"
+            bound = f"below {_BELOW_COMPILING:g} and" if fixed else f"within {_COMPILER_FACTOR}x"
             text.append(
-                f"compiler's rounding: the compiled steps differ by up to {worst:.2e}, {within} "
-                f"({self.op_by_op['compile_spread']:.2e} from the same step run op by op), and run op by op the "
-                "recomputed step matches the plain one "
-                f"({self.op_by_op['difference']:.2e}): the compiler makes the recomputed step another program, "
-                "whose float rounding this model amplifies"
+                f"compiler's rounding: the compiled steps differ by up to {worst:.2e}, {bound} what compiling alone "
+                f"moves the plain step ({self.op_by_op['compile_spread']:.2e} from the same step run op by op), and "
+                f"run op by op the recomputed step matches the plain one ({self.op_by_op['difference']:.2e}): the "
+                "compiler makes the recomputed step another program, whose float rounding this model amplifies"
             )
         if self.plain_seconds and self.recomputed_seconds:
             text.append(
@@ -579,14 +579,17 @@ def _plain_problem(model, names, updates):
     return None
 
 
-def _verdict(row, cannot_tell, rewritten=False, as_op_by_op=False):
+def _verdict(row, cannot_tell, rounding):
     if not row["ok"]:
         return "cannot tell" if cannot_tell else "DIFFERS"
-    if row["rounding"] and as_op_by_op:
-        return "ok (as the plain step op by op)"
-    if row["rounding"]:
-        return "ok (graph optimizer's rounding)" if rewritten else "ok (compiler's rounding)"
-    return "ok"
+    if not row["rounding"]:
+        return "ok"
+    return _ROUNDING_VERDICTS.get(rounding, "ok (compiler's rounding)")
+
+
+_ROUNDING_VERDICTS = {
+    "plain op by op": "ok (as the plain step op by op)", "graph optimizer": "ok (graph optimizer's rounding)",
+}
 
 
 def _compare(initial, plain_updates, updates):
