@@ -118,6 +118,21 @@ def test_the_peak_counts_the_prefix_the_gradients_and_the_transient():
     assert solve(model, 1169) is None and model.floor() == 1170
 
 
+def test_an_option_whose_recompute_does_not_fit_does_not_displace_one_that_does():
+    """Two options of a unit that keep the same bytes fall in one quantum of the solver's state, where only the
+    faster is kept: one whose transient (what its recompute holds) breaks the budget must not be that one, or the
+    plan that fits is lost (a solver that left the transient out of its walk found no plan here)."""
+    units = [
+        UnitCosts("a", {"none": Option("none", 100, 10, 0), "full": Option("full", 0, 110, 1),
+                        "save_dots": Option("save_dots", 0, 400, 0.5)}, 5),
+        UnitCosts("b", {"none": Option("none", 100, 10, 0), "full": Option("full", 0, 110, 1)}, 5),
+    ]
+    model = Model(units, resident=1000, outside=50, outside_gradient_bytes=7)
+    assert model.peak(["save_dots", "none"]) == 1000 + 50 + 10 + 400 > 1264  # faster, and over the budget
+    for quanta in (2000, 100000):
+        assert solve(model, 1264, quanta=quanta) == ["full", "none"]
+
+
 def test_a_units_forward_and_the_losss_backward_are_points_of_the_step():
     """NOTE [ the peak of a plan ]: where measured (PyTorch), a unit's forward holds its inputs and its forward's
     height on top of what the units before it kept; the loss's backward holds what every unit kept."""

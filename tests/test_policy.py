@@ -306,6 +306,27 @@ def test_the_policies_keep_dropout_masks_on_torch(policy, layer_class):
         assert recomputed == plain  # under attention_core, torch.rand runs outside the recomputed core
 
 
+class DropoutThenNoiseBlock(layers.Layer):
+    """One seed generator drawn twice in a call: a dropout (its mask kept under save_dots), then noise after it."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = layers.Dense(32, activation="gelu")
+        self.seeds = keras.random.SeedGenerator(3)
+
+    def call(self, inputs, training=None):
+        hidden = keras.random.dropout(self.dense(inputs), 0.3, seed=self.seeds)
+        return hidden + keras.random.normal(keras.ops.shape(hidden), seed=self.seeds)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_replayed_mask_advances_its_seed_generator_as_the_forward_did(mode):
+    """A recompute that hands back a kept mask instead of drawing must still move the mask's seed generator, or
+    what draws from it next (here noise) draws other numbers than the forward did: the recompute check raises
+    (check=False: another function's gradient). Two steps: the state after the first is the plain model's."""
+    compare_with_twin(DropoutThenNoiseBlock, [X], mode, steps=2, policy="save_dots")
+
+
 @pytest.mark.skipif(BACKEND != "torch", reason="PyTorch's dispatched ops")
 def test_kept_dropout_masks_under_bfloat16_on_torch():
     keras.config.set_dtype_policy("mixed_bfloat16")

@@ -1,0 +1,368 @@
+"""Breaks the library one way at a time and checks that the suite notices.
+
+A test proves only what it would catch. Each mutant below is one way recompute
+could go wrong for a user (a dropout mask drawn again, a gradient counted
+twice, a weight read after the optimizer wrote it, a recompute that never
+runs, a plan over its budget) written as one replacement in the library's
+source. For each, a copy of this checkout is made, the replacement applied,
+and the tests named beside it run with that Keras backend (`pytest -x`): the
+mutant is *killed* when a test fails, and *survives* when they all pass, which
+means the suite would not notice that defect. A mutant whose text is no longer
+in its file is reported as *stale* (the code moved: update the mutant, do not
+drop it); `tests/test_docs.py` checks that none is.
+
+```
+python tests/mutants.py                          # every mutant whose backend is installed
+python tests/mutants.py --only torch_rng_not_restored jax_backward_doubled
+python tests/mutants.py --out benchmarks/results/mutants.json
+```
+
+Each mutant runs in a copy of its own (in a temporary folder), so the checkout
+is never edited, and on 2 cores two run at a time (`--jobs`). A kill counts where the same
+tests pass without the mutant: the suite passes at the commit (CI), and
+`--control` runs each selection on an unmutated copy too, in the same run.
+"""
+
+import argparse
+import concurrent.futures
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# What each backend's run sets besides KERAS_BACKEND (as `tests/run_backends.py`'s runs).
+ENVIRONMENTS = {
+    "tensorflow": {},
+    "jax": {"KERAS_RECOMPUTE_TESTS_WITHOUT_TENSORFLOW": "1"},
+    "torch": {},
+}
+
+
+class Mutant:
+    """One defect: `old` replaced by `new` in `path`, to be caught by `tests` on `backend`."""
+
+    def __init__(self, name, what, path, old, new, backend, tests):
+        self.name, self.what, self.path, self.old, self.new = name, what, path, old, new
+        self.backend, self.tests = backend, list(tests)
+
+    def stale(self, root=ROOT):
+        """Why the mutant cannot be applied to the source under `root` (None if it can)."""
+        with open(os.path.join(root, self.path)) as f:
+            count = f.read().count(self.old)
+        if count != 1:
+            return f"{self.path} has its text {count} times, not once: update the mutant"
+        return None
+
+    def apply(self, root):
+        path = os.path.join(root, self.path)
+        with open(path) as f:
+            source = f.read()
+        with open(path, "w") as f:
+            f.write(source.replace(self.old, self.new))
+
+
+MUTANTS = [
+    # The decorator and recompute_model.
+    Mutant(
+        "decorator_never_recomputes", "a decorated call runs plain when recompute is on (gradients stay exact)",
+        "keras_recompute/_decorator.py", "if not on or _saving_a_model():", "if True:",
+        "jax", ["test_keras3.py"],
+    ),
+    Mutant(
+        "recompute_model_decorates_off", "recompute_model decorates its units switched off",
+        "keras_recompute/_model.py",
+        "wrapped = recompute_grad(layer.call, enabled=enabled, policy=policy, offload=offload)",
+        "wrapped = recompute_grad(layer.call, enabled=False, policy=policy, offload=offload)",
+        "torch", ["test_model.py"],
+    ),
+    # JAX.
+    Mutant(
+        "jax_full_saves_everything", 'policy="full" keeps every activation (recomputes nothing)',
+        "keras_recompute/backends/jax.py",
+        "saved = policies.dots_with_no_batch_dims_saveable if policy == _policy.SAVE_DOTS else None",
+        "saved = policies.dots_with_no_batch_dims_saveable if policy == _policy.SAVE_DOTS else "
+        "policies.everything_saveable",
+        "jax", ["test_policy.py", "test_memory.py"],
+    ),
+    Mutant(
+        "jax_save_dots_saves_nothing", 'policy="save_dots" keeps no matmul output (acts as "full")',
+        "keras_recompute/backends/jax.py",
+        "saved = policies.dots_with_no_batch_dims_saveable if policy == _policy.SAVE_DOTS else None",
+        "saved = policies.nothing_saveable if policy == _policy.SAVE_DOTS else None",
+        "jax", ["test_policy.py"],
+    ),
+    Mutant(
+        "jax_backward_doubled", "the recompute's backward returns twice the gradient",
+        "keras_recompute/backends/jax.py", "            return vjp(cotangents)",
+        "            return vjp(jax.tree_util.tree_map(lambda c: 2 * c, cotangents))",
+        "jax", ["test_keras3.py"],
+    ),
+    Mutant(
+        "jax_recompute_does_not_wait", "the recompute no longer waits for the incoming gradient (XLA may hoist it)",
+        "keras_recompute/backends/jax.py",
+        "    if zero is None:\n        return tree", "    if True:\n        return tree",
+        "jax", ["test_policy.py", "test_memory.py"],
+    ),
+    Mutant(
+        "jax_state_updates_dropped", "a recomputed call's state updates (BatchNorm's statistics) are lost",
+        "keras_recompute/backends/jax.py",
+        'for variable, value in zip(traced["variables"], updates):\n        variable.assign(value)',
+        'for variable, value in zip(traced["variables"], updates):\n        pass',
+        "jax", ["test_keras3.py"],
+    ),
+    # PyTorch.
+    Mutant(
+        "torch_rng_not_restored", "the recompute draws dropout masks again from where the generator stands",
+        "keras_recompute/backends/torch.py", "preserve_rng_state=True,", "preserve_rng_state=False,",
+        "torch", ["test_semantics.py"],
+    ),
+    Mutant(
+        "torch_keras_state_not_replayed", "Keras's seed generators and state are not put back for the recompute",
+        "keras_recompute/backends/torch.py", "_keras3.replay(state, owner))", "contextlib.nullcontext())",
+        "torch", ["test_semantics.py"],
+    ),
+    Mutant(
+        "torch_inputs_not_copied", "a call that writes its inputs in place (keras-hub's Gemma) recomputes from the "
+        "written values",
+        "keras_recompute/backends/torch.py",
+        "call_args, call_kwargs = keras.tree.map_structure(_copy, (call_args, call_kwargs))", "pass",
+        "torch", ["test_inplace_torch.py", "test_policy.py::test_keras_hub_lora_backbones_under_each_policy"],
+    ),
+    Mutant(
+        "torch_never_checkpoints", "the call runs plain on PyTorch (gradients stay exact, nothing is saved)",
+        "keras_recompute/backends/torch.py", "if not torch.is_grad_enabled() or _keras3.in_symbolic_scope():",
+        "if True:",
+        "torch", ["test_keras3.py"],
+    ),
+    Mutant(
+        "torch_replay_leaves_seed_generator", "replaying a kept mask does not advance its seed generator (the next "
+        "step draws other masks than plain's)",
+        "keras_recompute/backends/torch.py",
+        "torch_random.torch_seed_generator(seed)  # the seed generator advances as in the forward", "pass",
+        "torch", ["test_policy.py::test_a_replayed_mask_advances_its_seed_generator_as_the_forward_did"],
+    ),
+    # TensorFlow.
+    Mutant(
+        "tf_kept_matmul_reads_weights_again", 'under "save_dots" the kept matmul\'s gradient reads the weights again '
+        "(after the optimizer wrote them, in a tf.function)",
+        "keras_recompute/backends/tensorflow.py",
+        "with contextlib.nullcontext() if tf.executing_eagerly() else variable_reads(reader):",
+        "with contextlib.nullcontext():",
+        "tensorflow", ["test_tensorflow.py::test_a_compiled_steps_backward_reads_no_trained_weight"],
+    ),
+    Mutant(
+        "tf_recompute_reads_weights_again", "the recompute reads the weights again instead of what its forward read",
+        "keras_recompute/backends/tensorflow.py",
+        "with keras_replay, (legacy_replay or contextlib.nullcontext()), reads.replaying():",
+        "with keras_replay, (legacy_replay or contextlib.nullcontext()):",
+        "tensorflow", ["test_tensorflow.py::test_a_compiled_steps_backward_reads_no_trained_weight"],
+    ),
+    Mutant(
+        "tf_recompute_does_not_wait", "the recompute's inputs do not wait for the incoming gradient (the runtime may "
+        "recompute during the forward)",
+        "keras_recompute/backends/tensorflow.py", "replay_inputs = [wait(x) for x in inputs]",
+        "replay_inputs = [tf.identity(x) for x in inputs]",
+        "tensorflow", ["test_memory.py", "test_tensorflow.py"],
+    ),
+    Mutant(
+        "tf_gradient_doubled", "the recompute's backward counts the incoming gradient twice",
+        "keras_recompute/backends/tensorflow.py", "output_gradients=_add_checks([g for _, g in pairs], checks)",
+        "output_gradients=_add_checks([2 * g for _, g in pairs], checks)",
+        "tensorflow", ["test_keras3.py"],
+    ),
+    Mutant(
+        "tf_check_compares_nothing", "a recompute that computes another function is not caught (check=True)",
+        "keras_recompute/backends/tensorflow.py", "expected = _Expected(out_leaves, heads, keep_values=check)",
+        "expected = _Expected(out_leaves, heads, keep_values=False)",
+        "tensorflow", ["test_semantics.py"],
+    ),
+    # What a call sees besides its arguments (masks, Keras state), and its check, on each path.
+    Mutant(
+        "jax_masks_not_attached", "the recompute's inputs lose the masks Keras attached to them (mask_zero=True)",
+        "keras_recompute/backends/jax.py",
+        "with _keras3.collect() as scope, context.masks_attached(call_args, call_kwargs):",
+        "with _keras3.collect() as scope:",
+        "jax", ["test_context.py"],
+    ),
+    Mutant(
+        "torch_masks_not_attached", "the recompute's inputs lose the masks Keras attached to them (mask_zero=True)",
+        "keras_recompute/backends/torch.py", "with context.masks_attached(call_args, call_kwargs):",
+        "with contextlib.nullcontext():",
+        "torch", ["test_context.py"],
+    ),
+    Mutant(
+        "tf_masks_not_attached", "the recompute's inputs lose the masks Keras attached to them (mask_zero=True)",
+        "keras_recompute/backends/tensorflow.py",
+        "with context.masks_attached(call_args, call_kwargs, transform=wait):",
+        "with contextlib.nullcontext():",
+        "tensorflow", ["test_context.py"],
+    ),
+    Mutant(
+        "tf_keras_state_not_replayed", "tf_keras's state (BatchNorm's statistics, seeds) is not replayed",
+        "keras_recompute/backends/tensorflow.py",
+        "legacy_state = None if _keras3.is_layer(owner) else _tf_keras.capture(owner, name)", "legacy_state = None",
+        "tensorflow", ["test_semantics.py"],
+    ),
+    Mutant(
+        "torch_check_compares_nothing", "a recompute that computes another function is not caught (check=True)",
+        "keras_recompute/backends/torch.py", "values = _RecomputedValues(context.name) if check else None",
+        "values = None",
+        "torch", ["test_semantics_keras3.py"],
+    ),
+    # Offload.
+    Mutant(
+        "jax_offload_stays_on_device", "offload=True keeps the residuals in device memory",
+        "keras_recompute/backends/jax.py", "*_placed(list(args[num_consts:]), _HOST))", "*list(args[num_consts:]))",
+        "jax", ["test_offload.py"],
+    ),
+    Mutant(
+        "torch_offload_stays_on_device", "offload=True keeps the saved inputs in device memory",
+        "keras_recompute/backends/torch.py",
+        "offloading = _offloaded(context.name) if offload else contextlib.nullcontext()",
+        "offloading = contextlib.nullcontext()",
+        "torch", ["test_offload.py"],
+    ),
+    # Planning and verify.
+    Mutant(
+        "budget_ignores_transients", "the solver leaves out what a unit holds while it recomputes",
+        "keras_recompute/_budget.py", "if total + option.transient + held > room or forward > room:",
+        "if total + held > room or forward > room:",
+        "jax", ["test_budget_solver.py"],
+    ),
+    Mutant(
+        "budget_trusts_its_quanta", "the solver returns a plan without checking its peak against the budget",
+        "keras_recompute/_budget.py", "if model.peak(list(choices)) <= budget:", "if True:",
+        "jax", ["test_budget_solver.py"],
+    ),
+    Mutant(
+        "verify_passes_everything", "verify calls every weight's update within the plain step's spread",
+        "keras_recompute/_verify.py",
+        "exact = [d <= max(2 * s, _REASSOCIATION * scale) for d, s in zip(differences, spreads)]",
+        "exact = [True for d in differences]",
+        "torch", ["test_verify.py"],
+    ),
+]
+
+
+def _installed(backend):
+    import importlib.util
+
+    return importlib.util.find_spec(backend) is not None and importlib.util.find_spec("keras") is not None
+
+
+def _copy(destination):
+    ignore = shutil.ignore_patterns(".git", "__pycache__", "*.egg-info", ".whl", ".pytest_cache")
+    shutil.copytree(ROOT, destination, ignore=ignore)
+
+
+def _run(root, backend, tests, timeout):
+    """`(outcome, seconds, first failure)` of `pytest -x tests` in the copy at `root`."""
+    env = dict(os.environ, KERAS_BACKEND=backend, **ENVIRONMENTS[backend])
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    command = [sys.executable, "-m", "pytest", *tests, "-x", "-q", "-p", "no:cacheprovider", "-W", "ignore"]
+    start = time.time()
+    try:
+        done = subprocess.run(command, cwd=os.path.join(root, "tests"), env=env, capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return "timeout", time.time() - start, None
+    seconds = time.time() - start
+    failed = [line for line in done.stdout.splitlines() if line.startswith(("FAILED ", "ERROR "))]
+    if done.returncode == 0:
+        return "passed", seconds, None
+    if done.returncode == 1 and failed:
+        return "failed", seconds, failed[0][:300]
+    return f"error (pytest exit {done.returncode})", seconds, done.stdout[-600:] + done.stderr[-600:]
+
+
+def _imports_from(root, backend):
+    env = dict(os.environ, KERAS_BACKEND=backend, **ENVIRONMENTS[backend], PYTHONPATH=root)
+    done = subprocess.run([sys.executable, "-c", "import keras_recompute; print(keras_recompute.__file__)"],
+                          cwd=os.path.join(root, "tests"), env=env, capture_output=True, text=True)
+    return done.stdout.strip()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", nargs="*", help="mutants to run, by name (default: all)")
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds for one mutant's tests")
+    parser.add_argument("--control", action="store_true", help="also run each selection on an unmutated copy")
+    parser.add_argument("--out", help="write the results here as JSON")
+    args = parser.parse_args(argv)
+
+    unknown = set(args.only or ()) - {m.name for m in MUTANTS}
+    if unknown:
+        parser.error(f"no mutant named {', '.join(sorted(unknown))}; the mutants: {', '.join(m.name for m in MUTANTS)}")
+    chosen = [m for m in MUTANTS if not args.only or m.name in args.only]
+    work = tempfile.mkdtemp(prefix="keras_recompute_mutants_")
+    results, jobs = {}, []
+    try:
+        control = os.path.join(work, "control")
+        _copy(control)
+        for mutant in chosen:
+            if not _installed(mutant.backend):
+                results[mutant.name] = {"outcome": f"skipped ({mutant.backend} is not installed)"}
+                continue
+            why = mutant.stale(control)
+            if why:
+                results[mutant.name] = {"outcome": "stale", "why": why}
+                continue
+            root = os.path.join(work, mutant.name)
+            _copy(root)
+            mutant.apply(root)
+            imported = _imports_from(root, mutant.backend)
+            if not imported.startswith(root):
+                raise SystemExit(f"the copy's keras_recompute is not the one imported ({imported!r}): is it "
+                                 "installed otherwise than editable (pip install -e .)?")
+            jobs.append((mutant, root))
+        controls = sorted({(m.backend, tuple(m.tests)) for m, _ in jobs})
+        with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+            control_runs = {key: pool.submit(_run, control, key[0], list(key[1]), args.timeout) for key in controls
+                            if args.control}
+            mutant_runs = {m.name: pool.submit(_run, root, m.backend, m.tests, args.timeout) for m, root in jobs}
+            for mutant, _ in jobs:
+                outcome, seconds, failure = mutant_runs[mutant.name].result()
+                key = (mutant.backend, tuple(mutant.tests))
+                plain, plain_seconds, plain_failure = control_runs[key].result() if key in control_runs else (
+                    "passed", None, None)
+                if plain != "passed":
+                    verdict = f"no control (unmutated: {plain})"
+                else:
+                    verdict = {"failed": "killed", "passed": "SURVIVED"}.get(outcome, outcome)
+                results[mutant.name] = {
+                    "outcome": verdict, "what": mutant.what, "backend": mutant.backend, "tests": mutant.tests,
+                    "seconds": round(seconds, 1), "control_seconds": plain_seconds and round(plain_seconds, 1),
+                    "caught_by": failure if outcome == "failed" else None,
+                    "control_failure": plain_failure if plain != "passed" else None,
+                }
+                print(f"{mutant.name:40s} {verdict:10s} {seconds:6.0f} s  {failure or ''}"[:240], flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    for name, row in results.items():
+        if row["outcome"] in ("stale",) or row["outcome"].startswith("skipped"):
+            print(f"{name:40s} {row['outcome']}  {row.get('why', '')}")
+    survivors = [n for n, r in results.items() if r["outcome"] != "killed" and not r["outcome"].startswith("skipped")]
+    print(f"{sum(r['outcome'] == 'killed' for r in results.values())} of {len(results)} killed"
+          + (f"; not killed: {', '.join(survivors)}" if survivors else ""))
+    if args.out:
+        sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+        import _record
+
+        record = _record.metadata(argv=["tests/mutants.py"] + list(sys.argv[1:] if argv is None else argv))
+        record.update(summary={"killed": len(results) - len(survivors), "mutants": len(results),
+                               "not_killed": survivors}, results=results)
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=2)
+            f.write("\n")
+    return 1 if survivors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
