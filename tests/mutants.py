@@ -41,6 +41,9 @@ ENVIRONMENTS = {
     "jax": {"KERAS_RECOMPUTE_TESTS_WITHOUT_TENSORFLOW": "1"},
     "torch": {},
 }
+# The seed's environments (standalone Keras 2.3 on TensorFlow 1.15, a Python 3.7 virtual environment built by
+# `tests/legacy/run.py`), where a mutant's tests are named from the checkout's root, as that runner runs them.
+LEGACY = ("tf1.15-keras2.3",)
 
 
 class Mutant:
@@ -227,6 +230,35 @@ MUTANTS = [
         "offloading = contextlib.nullcontext()",
         "torch", ["test_offload.py"],
     ),
+    # TF1-style graphs (`backends/tensorflow_v1.py`): standalone Keras 2.3 on TensorFlow 1.15.
+    Mutant(
+        "tf1_recompute_reads_weights_again", "in a TF1 graph the recompute reads the weights again (no edge orders "
+        "it before the optimizer's write)",
+        "keras_recompute/backends/tensorflow_v1.py",
+        "with state.replay(wait) if state else contextlib.nullcontext(), reads.replaying():",
+        "with state.replay(wait) if state else contextlib.nullcontext():",
+        "tf1.15-keras2.3", ["tests/legacy/test_keras2.py::test_the_recompute_reads_no_trained_weight_again"],
+    ),
+    Mutant(
+        "tf1_keras2_state_not_replayed", "standalone Keras's random draws and state are not replayed: dropout masks "
+        "drawn again",
+        "keras_recompute/backends/tensorflow_v1.py",
+        "if _tf_keras_builtin.is_layer(owner) else _keras2.capture(owner, name)",
+        "if _tf_keras_builtin.is_layer(owner) else None",
+        "tf1.15-keras2.3", ["tests/legacy/test_keras2.py"],
+    ),
+    Mutant(
+        "tf1_gradient_not_ours", "in a TF1 graph the forward's gradient is TensorFlow's own (nothing is recomputed)",
+        "keras_recompute/backends/tensorflow_v1.py", 'with graph.gradient_override_map({"IdentityN": gradient_name}):',
+        "with contextlib.nullcontext():",
+        "tf1.15-keras2.3", ["tests/legacy/test_keras2.py"],
+    ),
+    Mutant(
+        "tf1_check_compares_nothing", "in a TF1 graph a recompute that computes another function is not caught",
+        "keras_recompute/backends/tensorflow_v1.py", "expected = _Expected(out_leaves, heads, keep_values=check)",
+        "expected = _Expected(out_leaves, heads, keep_values=False)",
+        "tf1.15-keras2.3", ["tests/legacy/test_keras2.py::test_the_recompute_is_checked"],
+    ),
     # Planning and verify.
     Mutant(
         "budget_ignores_transients", "the solver leaves out what a unit holds while it recomputes",
@@ -252,7 +284,38 @@ MUTANTS = [
 def _installed(backend):
     import importlib.util
 
+    if backend in LEGACY:
+        return _legacy_runner().find_python() is not None
     return importlib.util.find_spec(backend) is not None and importlib.util.find_spec("keras") is not None
+
+
+def _legacy_runner():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("legacy_run", os.path.join(ROOT, "tests", "legacy", "run.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_PYTHONS = {}
+
+
+def _lane(root, backend):
+    """`(python, working directory, environment)` of a run of `backend`'s tests in the copy at `root`."""
+    if backend not in _PYTHONS:
+        if backend in LEGACY:
+            runner = _legacy_runner()
+            cache = os.path.join(os.path.expanduser("~"), ".cache", "keras_recompute", "legacy")
+            _PYTHONS[backend] = os.path.join(runner.environment(runner.find_python(), backend, cache), "python")
+        else:
+            _PYTHONS[backend] = sys.executable
+    legacy = backend in LEGACY
+    env = dict(os.environ, KERAS_BACKEND="tensorflow" if legacy else backend, **ENVIRONMENTS.get(backend, {}))
+    if legacy:
+        env["PYTHONNOUSERSITE"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    return _PYTHONS[backend], root if legacy else os.path.join(root, "tests"), env
 
 
 def _copy(destination):
@@ -262,13 +325,11 @@ def _copy(destination):
 
 def _run(root, backend, tests, timeout):
     """`(outcome, seconds, first failure)` of `pytest -x tests` in the copy at `root`."""
-    env = dict(os.environ, KERAS_BACKEND=backend, **ENVIRONMENTS[backend])
-    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    command = [sys.executable, "-m", "pytest", *tests, "-x", "-q", "-p", "no:cacheprovider", "-W", "ignore"]
+    python, cwd, env = _lane(root, backend)
+    command = [python, "-m", "pytest", *tests, "-x", "-q", "-p", "no:cacheprovider", "-W", "ignore"]
     start = time.time()
     try:
-        done = subprocess.run(command, cwd=os.path.join(root, "tests"), env=env, capture_output=True, text=True,
-                              timeout=timeout)
+        done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return "timeout", time.time() - start, None
     seconds = time.time() - start
@@ -281,9 +342,9 @@ def _run(root, backend, tests, timeout):
 
 
 def _imports_from(root, backend):
-    env = dict(os.environ, KERAS_BACKEND=backend, **ENVIRONMENTS[backend], PYTHONPATH=root)
-    done = subprocess.run([sys.executable, "-c", "import keras_recompute; print(keras_recompute.__file__)"],
-                          cwd=os.path.join(root, "tests"), env=env, capture_output=True, text=True)
+    python, cwd, env = _lane(root, backend)
+    done = subprocess.run([python, "-c", "import keras_recompute; print(keras_recompute.__file__)"],
+                          cwd=cwd, env=env, capture_output=True, text=True)
     return done.stdout.strip()
 
 
