@@ -9,6 +9,8 @@ Usage: python _bert4keras_child.py ours|model|theirs [eager|function|graph]
   budget  recompute_model(model, budget=..., inputs=...): a budget half-way between the
           least peak any plan reaches and the plain peak, over the blocks (graph pieces)
   theirs  bert4keras's own recompute (RECOMPUTE=1 when bert4keras is imported)
+  ours_over_theirs  enable() where bert4keras's own recompute is on (RECOMPUTE=1 at its
+          import): ours must replace theirs, not wrap it
 Trains three SGD steps with dropout, first with every patched `call` plain, then
 recomputed, from the same weights and random state. Prints a JSON line: the
 losses of both runs and, per step, how many of the gradients differ by more
@@ -35,7 +37,8 @@ method = sys.argv[1]
 mode = sys.argv[2] if len(sys.argv) > 2 else "function"
 os.environ["TF_KERAS"] = "1"
 os.environ["TF_USE_LEGACY_KERAS"] = "1"
-os.environ["RECOMPUTE"] = "1" if method in ("theirs", "model_over_theirs") else "0"
+THEIRS_ON = ("theirs", "model_over_theirs", "ours_over_theirs")  # RECOMPUTE=1 at bert4keras's import
+os.environ["RECOMPUTE"] = "1" if method in THEIRS_ON else "0"
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import numpy as np  # noqa: E402
@@ -66,7 +69,7 @@ if method == "feedforward":
     print(json.dumps({"difference": difference, "shapes": shapes}))
     sys.exit(0)
 
-if method in ("theirs", "model_over_theirs"):
+if method in THEIRS_ON:
     # bert4keras 0.11.5's recompute calls functions that TF 2.21 moved from
     # `tape` to `record` (private TF API; tested on TF 2.21 only).
     from tensorflow.python.eager import record, tape
@@ -91,7 +94,7 @@ CONFIG = dict(
 # Their recompute wrappers, as bert4keras's import left them, and the plain calls inside.
 theirs = {name: vars(getattr(bert_layers, name))["call"] for name in recompute_bert4keras.LAYERS}
 plain = {name: recompute_bert4keras._undecorated(call) for name, call in theirs.items()}
-if method == "ours":
+if method in ("ours", "ours_over_theirs"):
     recompute_bert4keras.enable()
     ours = {name: vars(getattr(bert_layers, name))["call"] for name in recompute_bert4keras.LAYERS}
 
@@ -187,7 +190,7 @@ elif method in ("model", "model_over_theirs"):
     warned = any("bert4keras's own recompute" in str(w.message) for w in caught)
     units = _model.recomputed_units(model)
 else:
-    set_calls(ours if method == "ours" else theirs)
+    set_calls(ours if method in ("ours", "ours_over_theirs") else theirs)
 actual = train(True)
 ops = []
 if mode == "function":

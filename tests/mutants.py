@@ -217,6 +217,37 @@ MUTANTS = [
         "values = None",
         "torch", ["test_semantics_keras3.py"],
     ),
+    Mutant(
+        "tf_save_dots_check_off", 'under "save_dots" a recompute that feeds a kept matmul other inputs is not caught',
+        "keras_recompute/backends/tensorflow.py",
+        "            if self._check:\n                self._seen.append(", "            if False:\n                self._seen.append(",
+        "tensorflow", ["test_semantics.py"],
+    ),
+    Mutant(
+        "attention_core_recomputes_nothing", 'policy="attention_core" recomputes no core (the call runs plain)',
+        "keras_recompute/_decorator.py", "with _policy.cores_recomputed(layers, recompute_grad, check, offload):",
+        "with _policy.cores_recomputed([], recompute_grad, check, offload):",
+        "jax", ["test_policy.py::test_what_each_policy_recomputes_in_the_jax_program"],
+    ),
+    # The integrations.
+    Mutant(
+        "keras_hub_enable_patches_nothing", "keras_recompute.integrations.keras_hub.enable() decorates no layer",
+        "keras_recompute/integrations/keras_hub.py", "            cls.call = decorated", "            pass",
+        "jax", ["test_layers.py"],
+    ),
+    Mutant(
+        "bert4keras_enable_patches_nothing", "keras_recompute.integrations.bert4keras.enable() decorates no layer",
+        "keras_recompute/integrations/bert4keras.py", "decorated = recompute_grad(_undecorated(call))",
+        "decorated = _undecorated(call)",
+        "tensorflow", ["test_bert4keras.py"],
+    ),
+    Mutant(
+        "bert4keras_wraps_theirs", "enable() wraps bert4keras's own recompute (RECOMPUTE=1 at its import) instead "
+        "of the plain call: theirs doubles the gradient of q = k = v",
+        "keras_recompute/integrations/bert4keras.py", "decorated = recompute_grad(_undecorated(call))",
+        "decorated = recompute_grad(call)",
+        "tensorflow", ["test_bert4keras.py"],
+    ),
     # Offload.
     Mutant(
         "jax_offload_stays_on_device", "offload=True keeps the residuals in device memory",
@@ -334,6 +365,9 @@ def _run(root, backend, tests, timeout):
         return "timeout", time.time() - start, None
     seconds = time.time() - start
     failed = [line for line in done.stdout.splitlines() if line.startswith(("FAILED ", "ERROR "))]
+    summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
+    if done.returncode in (0, 5) and " passed" not in summary:  # all skipped or deselected: nothing was tried
+        return "no test ran", seconds, summary
     if done.returncode == 0:
         return "passed", seconds, None
     if done.returncode == 1 and failed:

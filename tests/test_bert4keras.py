@@ -69,6 +69,17 @@ def test_a_budget_plans_bert4keras_blocks_exactly():
         assert result["count"] == 42 and result["differ"] == 0, f"step {step}: {result}"
 
 
+def test_enable_where_bert4keras_own_recompute_is_on_gives_the_plain_gradients():
+    """RECOMPUTE=1 when bert4keras was imported: its layers carry its own recompute. enable() must decorate the
+    plain call under it, not wrap theirs (which doubles the gradient of q = k = v: the test below)."""
+    report = run("ours_over_theirs", "function")
+    for step, result in enumerate(report["steps"]):
+        assert result["count"] == 42, "every weight of the 2-layer BERT has a gradient"
+        assert result["differ"] == 0, f"step {step}: {result['differ']} gradients differ (max {result['max']:.3g})"
+    plain, recomputed = report["ops"]
+    assert recomputed > plain, f"{recomputed} ops in a recomputed step, {plain} in a plain one"
+
+
 def test_bert4keras_own_recompute_is_wrong_where_ours_is_not():
     """The same comparison catches bert4keras's own recompute (q = k = v doubles a gradient)."""
     report = run("theirs", "function")
