@@ -83,6 +83,23 @@ MUTANTS = [
         "wrapped = recompute_grad(layer.call, enabled=False, policy=policy, offload=offload)",
         "torch", ["test_model.py"],
     ),
+    Mutant(
+        "decorating_twice_recomputes_twice", "a call decorated twice (an instance patched over a decorated class) "
+        "recomputes inside its own recompute",
+        "keras_recompute/_decorator.py", "    fn = _undecorated(fn)\n", "\n",
+        "torch", ["test_context.py"],
+    ),
+    Mutant(
+        "environment_variable_ignored", "RECOMPUTE=1 does not switch recompute on (only a scope does)",
+        "keras_recompute/_config.py", "    return parse_bool(os.environ.get(ENV_VAR))", "    return False",
+        "jax", ["test_config.py"],
+    ),
+    Mutant(
+        "saving_runs_the_recompute", "a model saved with recompute on saves the recompute's machinery (NOTE [ saving "
+        "a model ])",
+        "keras_recompute/_decorator.py", "if not on or _saving_a_model():", "if not on:",
+        "tensorflow", ["test_tensorflow.py::test_a_model_saved_with_recompute_on_saves_the_plain_calls"],
+    ),
     # JAX.
     Mutant(
         "jax_full_saves_everything", 'policy="full" keeps every activation (recomputes nothing)',
@@ -301,6 +318,16 @@ MUTANTS = [
         "budget_trusts_its_quanta", "the solver returns a plan without checking its peak against the budget",
         "keras_recompute/_budget.py", "if model.peak(list(choices)) <= budget:", "if True:",
         "jax", ["test_budget_solver.py"],
+    ),
+    Mutant(
+        "largest_fit_ignores_headroom", "largest_fit's predicted peak is held to the whole budget, its headroom left out",
+        "keras_recompute/_fit.py", "    return budget - headroom * max(0.0, budget - fixed)", "    return budget",
+        "jax", ["test_fit_solver.py", "test_fit.py"],
+    ),
+    Mutant(
+        "largest_fit_stops_a_step_short", "the search for the largest size that fits stops one step short",
+        "keras_recompute/_fit.py", "    while high - low > step:", "    while high - low > 2 * step:",
+        "jax", ["test_fit_solver.py", "test_fit.py"],
     ),
     Mutant(
         "verify_passes_everything", "verify calls every weight's update within the plain step's spread",
