@@ -8,8 +8,9 @@ source. For each, a copy of this checkout is made, the replacement applied,
 and the tests named beside it run with that Keras backend (`pytest -x`): the
 mutant is *killed* when a test fails, and *survives* when they all pass, which
 means the suite would not notice that defect. A mutant whose text is no longer
-in its file is reported as *stale* (the code moved: update the mutant, do not
-drop it); `tests/test_docs.py` checks that none is.
+in its file, or whose tests the suite runs only in another backend's run, is
+reported as *stale* (update the mutant, do not drop it); `tests/test_docs.py`
+checks that none is.
 
 ```
 python tests/mutants.py                          # every mutant whose backend is installed
@@ -53,12 +54,18 @@ class Mutant:
         self.name, self.what, self.path, self.old, self.new = name, what, path, old, new
         self.backend, self.tests = backend, list(tests)
 
-    def stale(self, root=ROOT):
-        """Why the mutant cannot be applied to the source under `root` (None if it can)."""
+    def problem(self, root=ROOT):
+        """Why the mutant cannot be applied to the source under `root`, or its tests not run as the suite runs
+        them (None if it can)."""
         with open(os.path.join(root, self.path)) as f:
             count = f.read().count(self.old)
         if count != 1:
             return f"{self.path} has its text {count} times, not once: update the mutant"
+        elsewhere = [t for t in self.tests if t.split("::")[0] in _tensorflow_run_only()]
+        if self.backend in ("jax", "torch") and elsewhere:
+            # Named on the command line, pytest would run them anyway, as the suite never does.
+            return (f"{', '.join(elsewhere)} run only in the suite's TensorFlow run (tests/conftest.py): give the "
+                    "mutant backend 'tensorflow'")
         return None
 
     def apply(self, root):
@@ -92,7 +99,7 @@ MUTANTS = [
     Mutant(
         "environment_variable_ignored", "RECOMPUTE=1 does not switch recompute on (only a scope does)",
         "keras_recompute/_config.py", "    return parse_bool(os.environ.get(ENV_VAR))", "    return False",
-        "jax", ["test_config.py"],
+        "tensorflow", ["test_config.py"],
     ),
     Mutant(
         "saving_runs_the_recompute", "a model saved with recompute on saves the recompute's machinery (NOTE [ saving "
@@ -107,7 +114,7 @@ MUTANTS = [
         "saved = policies.dots_with_no_batch_dims_saveable if policy == _policy.SAVE_DOTS else None",
         "saved = policies.dots_with_no_batch_dims_saveable if policy == _policy.SAVE_DOTS else "
         "policies.everything_saveable",
-        "jax", ["test_policy.py", "test_memory.py"],
+        "jax", ["test_policy.py"],
     ),
     Mutant(
         "jax_save_dots_saves_nothing", 'policy="save_dots" keeps no matmul output (acts as "full")',
@@ -126,7 +133,7 @@ MUTANTS = [
         "jax_recompute_does_not_wait", "the recompute no longer waits for the incoming gradient (XLA may hoist it)",
         "keras_recompute/backends/jax.py",
         "    if zero is None:\n        return tree", "    if True:\n        return tree",
-        "jax", ["test_policy.py", "test_memory.py"],
+        "jax", ["test_policy.py"],
     ),
     Mutant(
         "jax_state_updates_dropped", "a recomputed call's state updates (BatchNorm's statistics) are lost",
@@ -139,12 +146,12 @@ MUTANTS = [
     Mutant(
         "torch_rng_not_restored", "the recompute draws dropout masks again from where the generator stands",
         "keras_recompute/backends/torch.py", "preserve_rng_state=True,", "preserve_rng_state=False,",
-        "torch", ["test_semantics.py"],
+        "torch", ["test_keras3.py"],
     ),
     Mutant(
         "torch_keras_state_not_replayed", "Keras's seed generators and state are not put back for the recompute",
         "keras_recompute/backends/torch.py", "_keras3.replay(state, owner))", "contextlib.nullcontext())",
-        "torch", ["test_semantics.py"],
+        "torch", ["test_keras3.py"],
     ),
     Mutant(
         "torch_inputs_not_copied", "a call that writes its inputs in place (keras-hub's Gemma) recomputes from the "
@@ -312,22 +319,22 @@ MUTANTS = [
         "budget_ignores_transients", "the solver leaves out what a unit holds while it recomputes",
         "keras_recompute/_budget.py", "if total + option.transient + held > room or forward > room:",
         "if total + held > room or forward > room:",
-        "jax", ["test_budget_solver.py"],
+        "tensorflow", ["test_budget_solver.py"],
     ),
     Mutant(
         "budget_trusts_its_quanta", "the solver returns a plan without checking its peak against the budget",
         "keras_recompute/_budget.py", "if model.peak(list(choices)) <= budget:", "if True:",
-        "jax", ["test_budget_solver.py"],
+        "tensorflow", ["test_budget_solver.py"],
     ),
     Mutant(
         "largest_fit_ignores_headroom", "largest_fit's predicted peak is held to the whole budget, its headroom left out",
         "keras_recompute/_fit.py", "    return budget - headroom * max(0.0, budget - fixed)", "    return budget",
-        "jax", ["test_fit_solver.py", "test_fit.py"],
+        "tensorflow", ["test_fit_solver.py", "test_fit.py"],
     ),
     Mutant(
         "largest_fit_stops_a_step_short", "the search for the largest size that fits stops one step short",
         "keras_recompute/_fit.py", "    while high - low > step:", "    while high - low > 2 * step:",
-        "jax", ["test_fit_solver.py", "test_fit.py"],
+        "tensorflow", ["test_fit_solver.py", "test_fit.py"],
     ),
     Mutant(
         "verify_passes_everything", "verify calls every weight's update within the plain step's spread",
@@ -337,6 +344,18 @@ MUTANTS = [
         "torch", ["test_verify.py"],
     ),
 ]
+
+
+def _tensorflow_run_only():
+    """The test files `tests/conftest.py` collects in the TensorFlow run only."""
+    import ast
+
+    with open(os.path.join(ROOT, "tests", "conftest.py")) as f:
+        tree = ast.parse(f.read())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "_TENSORFLOW_RUN_ONLY" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    raise RuntimeError("tests/conftest.py no longer names _TENSORFLOW_RUN_ONLY: update tests/mutants.py")
 
 
 def _installed(backend):
@@ -431,7 +450,7 @@ def main(argv=None):
             if not _installed(mutant.backend):
                 results[mutant.name] = {"outcome": f"skipped ({mutant.backend} is not installed)"}
                 continue
-            why = mutant.stale(control)
+            why = mutant.problem(control)
             if why:
                 results[mutant.name] = {"outcome": "stale", "why": why}
                 continue
