@@ -489,16 +489,17 @@ def main(argv=None):
     for name, row in results.items():
         if row["outcome"] in ("stale",) or row["outcome"].startswith("skipped"):
             print(f"{name:40s} {row['outcome']}  {row.get('why', '')}")
+    killed = sum(r["outcome"] == "killed" for r in results.values())
     survivors = [n for n, r in results.items() if r["outcome"] != "killed" and not r["outcome"].startswith("skipped")]
-    print(f"{sum(r['outcome'] == 'killed' for r in results.values())} of {len(results)} killed"
-          + (f"; not killed: {', '.join(survivors)}" if survivors else ""))
+    print(f"{killed} of {len(results)} killed" + (f"; not killed: {', '.join(survivors)}" if survivors else ""))
     if args.out:
         sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
         import _record
 
         record = _record.metadata(argv=["tests/mutants.py"] + list(sys.argv[1:] if argv is None else argv))
-        record.update(summary={"killed": len(results) - len(survivors), "mutants": len(results),
-                               "not_killed": survivors}, results=results)
+        skipped = [n for n, r in results.items() if r["outcome"].startswith("skipped")]
+        record.update(summary={"killed": killed, "mutants": len(results), "not_killed": survivors, "skipped": skipped},
+                      results=results)
         with open(args.out, "w") as f:
             json.dump(record, f, indent=2)
             f.write("\n")
