@@ -38,6 +38,7 @@ mode = sys.argv[2] if len(sys.argv) > 2 else "function"
 os.environ["TF_KERAS"] = "1"
 os.environ["TF_USE_LEGACY_KERAS"] = "1"
 THEIRS_ON = ("theirs", "model_over_theirs", "ours_over_theirs")  # RECOMPUTE=1 at bert4keras's import
+OURS = ("ours", "ours_over_theirs")  # enable()
 os.environ["RECOMPUTE"] = "1" if method in THEIRS_ON else "0"
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -94,7 +95,7 @@ CONFIG = dict(
 # Their recompute wrappers, as bert4keras's import left them, and the plain calls inside.
 theirs = {name: vars(getattr(bert_layers, name))["call"] for name in recompute_bert4keras.LAYERS}
 plain = {name: recompute_bert4keras._undecorated(call) for name, call in theirs.items()}
-if method in ("ours", "ours_over_theirs"):
+if method in OURS:
     recompute_bert4keras.enable()
     ours = {name: vars(getattr(bert_layers, name))["call"] for name in recompute_bert4keras.LAYERS}
 
@@ -190,7 +191,7 @@ elif method in ("model", "model_over_theirs"):
     warned = any("bert4keras's own recompute" in str(w.message) for w in caught)
     units = _model.recomputed_units(model)
 else:
-    set_calls(ours if method in ("ours", "ours_over_theirs") else theirs)
+    set_calls(ours if method in OURS else theirs)
 actual = train(True)
 ops = []
 if mode == "function":
