@@ -112,3 +112,4 @@ def test_every_mutant_applies_to_the_source():
     assert not stale, stale
     names = [m.name for m in mutants.MUTANTS]
     assert len(set(names)) == len(names)
+    assert set(mutants.QUICK) <= set(names), set(mutants.QUICK) - set(names)
