@@ -989,14 +989,15 @@ def test_a_cnn_compiled_on_tensorflow_is_reported_with_its_allocator_line():
     if tensorflow:
         assert "1.36x" in report.allocator and "70%" in report.allocator, report.allocator
         assert not memory_report(conv_blocks_model(), x, execution="eager").allocator  # measured with the allocator
-    # A model with no convolution: its prediction held to a few percent, no line.
-    dense = memory_report(blocks_model(), np.random.RandomState(0).standard_normal((4, 8, 16)).astype("float32"))
-    assert not dense.allocator and "convolutional" not in str(dense), str(dense)
+        # A model with no convolution: its prediction held to a few percent, no line (elsewhere no model has one).
+        dense = memory_report(blocks_model(), np.random.RandomState(0).standard_normal((4, 8, 16)).astype("float32"))
+        assert not dense.allocator and "convolutional" not in str(dense), str(dense)
     # Planning to a budget says it too, at the caller's line; a model with no convolution plans silently.
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         recompute_model(conv_blocks_model(), budget=10**9, inputs=x, enabled=True)
-        recompute_model(blocks_model(), budget=10**9, inputs=np.zeros((4, 8, 16), "float32"), enabled=True)
+        if tensorflow:
+            recompute_model(blocks_model(), budget=10**9, inputs=np.zeros((4, 8, 16), "float32"), enabled=True)
     said = [w for w in caught if "convolutional network" in str(w.message)]
     assert len(said) == tensorflow, [str(w.message) for w in caught]
     assert all(w.filename == __file__ and "recompute_model(budget=1000000000)" in str(w.message) for w in said), said

@@ -160,12 +160,14 @@ def test_tensorflows_allocator_may_give_a_tensor_a_block_larger_than_it():
 @pytest.mark.parametrize("axis", ["batch", "sequence"])
 def test_the_predicted_largest_size_fits_and_the_next_does_not(axis):
     """With the default headroom: a step at the answer peaks near the prediction and under the budget, the next
-    size is predicted over what the headroom leaves (the headroom's arithmetic: test_fit_solver)."""
+    size is predicted over what the headroom leaves (the headroom's arithmetic: test_fit_solver). The plan's row
+    along the sequence only: its search is the batch's (on JAX a third of the test's time, each size compiled)."""
     model = sequence_model()
     make = make_batch if axis == "batch" else make_sequence
     sizes = (2, 4, 8) if axis == "batch" else (32, 64, 96, 128)
     budget = BATCH_BUDGET.get(BACKEND, 64 * 2**20) if axis == "batch" else 24 * 2**20
-    report = largest_fit(model, budget, make, axis=axis, sizes=sizes, options=["none", "full"])
+    plan = axis == "sequence"
+    report = largest_fit(model, budget, make, axis=axis, sizes=sizes, options=["none", "full"], plan=plan)
     # The default headroom (NOTE [ the headroom ]): a tenth of the room above what size 0 holds (the weights and more,
     # less than the least size); on TensorFlow each peak counts the step's largest tensor once more (NOTE [ the
     # allocator's blocks ]).
@@ -177,7 +179,7 @@ def test_the_predicted_largest_size_fits_and_the_next_does_not(axis):
     assert report.usable == report.budget - headroom * (report.budget - report.fixed)
     none, full = report.largest("none"), report.largest("full")
     assert none is not None and full is not None and 8 < none < full, str(report)
-    assert report.largest("plan") >= full, str(report)
+    assert report.largest("plan") >= full if plan else "plan" not in [row["option"] for row in report.rows], str(report)
     over, under = TOLERANCE[axis, BACKEND]  # the prediction over, under the measured peak
     for policy in ("none", "full"):
         row = next(row for row in report.rows if row["option"] == policy)
