@@ -989,7 +989,8 @@ def test_a_cnn_compiled_on_tensorflow_is_reported_with_its_allocator_line():
     if tensorflow:
         assert "1.36x" in report.allocator and "70%" in report.allocator, report.allocator
         assert not memory_report(conv_blocks_model(), x, execution="eager").allocator  # measured with the allocator
-        # A model with no convolution: its prediction held to a few percent, no line (elsewhere no model has one).
+        # A model with no convolution: its prediction held to a few percent, no line (off TensorFlow no model has
+        # one, the CNN included).
         dense = memory_report(blocks_model(), np.random.RandomState(0).standard_normal((4, 8, 16)).astype("float32"))
         assert not dense.allocator and "convolutional" not in str(dense), str(dense)
     # Planning to a budget says it too, at the caller's line; a model with no convolution plans silently.

@@ -161,7 +161,8 @@ def test_tensorflows_allocator_may_give_a_tensor_a_block_larger_than_it():
 def test_the_predicted_largest_size_fits_and_the_next_does_not(axis):
     """With the default headroom: a step at the answer peaks near the prediction and under the budget, the next
     size is predicted over what the headroom leaves (the headroom's arithmetic: test_fit_solver). The plan's row
-    along the sequence only: its search is the batch's (on JAX a third of the test's time, each size compiled)."""
+    along the sequence only: its search is the batch's (on JAX a fifth to a third of the test's time: each size
+    it tries is compiled)."""
     model = sequence_model()
     make = make_batch if axis == "batch" else make_sequence
     sizes = (2, 4, 8) if axis == "batch" else (32, 64, 96, 128)
