@@ -338,6 +338,18 @@ MUTANTS = [
         "tensorflow", ["test_fit_solver.py", "test_fit.py"],
     ),
     Mutant(
+        "tf_forward_mode_recomputes", "a recomputed call inside a ForwardAccumulator recomputes (its JVP None or zero: "
+        "NOTE [ forward-mode differentiation ])",
+        "keras_recompute/backends/tensorflow.py", "    if forward_accumulator_active():", "    if False:",
+        "tensorflow", ["test_forward_mode.py"],
+    ),
+    Mutant(
+        "jax_forward_mode_not_seen", "a JVP through a recomputed call is taken as reverse mode (JAX's custom_vjp error)",
+        "keras_recompute/backends/jax.py", "    return isinstance(jax_private_core.find_top_trace(values), ad.JVPTrace)",
+        "    return False",
+        "jax", ["test_forward_mode.py"],
+    ),
+    Mutant(
         "verify_passes_everything", "verify calls every weight's update within the plain step's spread",
         "keras_recompute/_verify.py",
         "exact = [d <= max(2 * s, _REASSOCIATION * scale) for d, s in zip(differences, spreads)]",
@@ -356,7 +368,7 @@ QUICK = (
     "torch_keras_state_not_replayed", "torch_replay_leaves_seed_generator", "torch_inputs_not_copied",
     "torch_check_compares_nothing", "decorating_twice_recomputes_twice", "environment_variable_ignored",
     "budget_ignores_transients", "budget_trusts_its_quanta", "verify_passes_everything",
-    "tf1_recompute_reads_weights_again", "tf1_gradient_not_ours",
+    "tf1_recompute_reads_weights_again", "tf1_gradient_not_ours", "tf_forward_mode_recomputes",
 )
 
 

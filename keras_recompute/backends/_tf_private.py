@@ -3,7 +3,8 @@
 Tested on TensorFlow 2.21 (tensorflow-cpu wheel), and on 1.14, 1.15, 2.0, 2.1
 and 2.3 (Python 3.7, `tests/legacy/run.py`). What is used:
 `tensorflow.python.eager.record` (`stop_recording`, `record_operation`; in
-`tape` before it), `control_flow_util` (whether a graph is XLA's), and
+`tape` before it), `forwardprop_util` (whether a forward accumulator
+records), `control_flow_util` (whether a graph is XLA's), and
 `resource_variable_ops` (`variable_accessed`, and
 `BaseResourceVariable`'s `_read_variable_op`, `sparse_read` and `gather_nd`,
 hooked: NOTE [ hooking variable reads ]). A TensorFlow that lacks one gets an
@@ -179,6 +180,18 @@ def in_xla_context():
     from tensorflow.python.ops import control_flow_util
 
     return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+
+
+try:
+    from tensorflow.python.eager import forwardprop_util as _forwardprop_util
+except ImportError:  # pragma: no cover - TensorFlow 1.x: no forward accumulators
+    _forwardprop_util = None
+
+
+def forward_accumulator_active():
+    """Whether a `tf.autodiff.ForwardAccumulator` records in this thread now (NOTE [ forward-mode differentiation ]
+    in `tensorflow`): `pack_tangents` of no tensors lists one entry for each accumulator active."""
+    return _forwardprop_util is not None and bool(_forwardprop_util.pack_tangents([]).indices)
 
 
 def tape_active():

@@ -48,6 +48,21 @@ What else needs care:
     the traced arguments, so sub-layers find them; they are closed over, so
     they become arguments like the seeds. Masks the call attaches to its
     outputs leave the program as extra outputs and are attached outside.
+
+NOTE [ forward-mode differentiation on JAX ]
+A `jax.custom_vjp` cannot be differentiated in forward mode: `jax.jvp` or
+`jax.jacfwd` of a step through a recomputed call raised JAX's "can't apply
+forward-mode autodiff (jvp) to a custom_vjp function" (found 2026-12-04; at
+once in eager mode, when the step was compiled under `jax.jit`). Where the
+call's values are traced for a JVP (`_under_forward_mode`: reverse mode,
+`jax.grad`, traces them for a linearization instead), it runs as the plain
+call (with a warning once per call): forward mode keeps no activations to
+recompute. Forward over reverse (a Hessian-vector product: `jax.jvp` of
+`jax.grad`) differentiates the custom VJP's backward, and recomputes. Not
+served, with JAX's error: `jax.linearize` (traced as `jax.grad` is; the error
+when its linear function is applied) and a JVP of a call that runs in a
+`lax.scan`, `cond` or loop body (traced to a program first, and
+differentiated as one): turn recompute off there (`recompute_scope(False)`).
 """
 
 import contextlib
@@ -60,12 +75,29 @@ import jax.numpy as jnp
 from jax.extend import core as jax_core
 
 from keras_recompute import _context, _policy
-from keras_recompute._errors import RecomputeError
+from keras_recompute._errors import RecomputeError, warn_runs_plain
 from keras_recompute.backends import _keras3
 
 
 def _is_differentiable(value):
     return isinstance(value, jax.Array) and jnp.issubdtype(value.dtype, jnp.inexact)
+
+
+def _under_forward_mode(values):
+    """Whether `values` are traced for a JVP now (NOTE [ forward-mode differentiation on JAX ]).
+
+    Where JAX linearizes directly (its default since 0.5; a flag before), reverse mode traces with a
+    `LinearizeTrace` and only `jax.jvp` (and `jax.jacfwd`, its `vmap`) with a `JVPTrace`. Elsewhere, or
+    without these private names, False: JAX's own error then says it.
+    """
+    if not getattr(jax.config, "jax_use_direct_linearize", True):
+        return False
+    try:
+        from jax._src import core as jax_private_core
+        from jax._src.interpreters import ad
+    except ImportError:  # pragma: no cover - depends on the JAX version
+        return False
+    return isinstance(jax_private_core.find_top_trace(values), ad.JVPTrace)
 
 
 def recompute_call(fn, args, kwargs, context, check=True, policy="full", offload=False):
@@ -133,7 +165,11 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full", offload
         closed, shapes = jax.make_jaxpr(pure, return_shape=True)(*[leaves[i] for i in positions])
     closed = closed.replace(jaxpr=_without_refused_dot_algorithms(closed.jaxpr))
     recomputed = _recompute(closed.jaxpr, policy, offload, keep_masks=bool(named))
-    flat = recomputed(*closed.consts, *[leaves[i] for i in positions])
+    arguments = list(closed.consts) + [leaves[i] for i in positions]
+    if _under_forward_mode(arguments):  # NOTE [ forward-mode differentiation on JAX ]
+        warn_runs_plain(name, "under forward-mode differentiation (jax.jvp, jax.jacfwd): a custom VJP has no JVP")
+        return fn(*args, **kwargs)
+    flat = recomputed(*arguments)
     arrays, updates, losses, masks = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shapes), flat)
 
     for variable, value in zip(traced["variables"], updates):

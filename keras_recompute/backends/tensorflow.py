@@ -32,6 +32,19 @@ the weight gradients read the recomputed activations, and a runtime that
 defers them (one inter-op thread) otherwise held every unit's recomputed
 activations to the end of the backward (a 6-block encoder under `full`:
 156 MB against 87 MB with the wait, batch 64).
+
+NOTE [ forward-mode differentiation ]
+Inside a `tf.autodiff.ForwardAccumulator`, a recomputed call runs as the
+plain call (with a warning once per call). TensorFlow computes a custom
+gradient's JVP by differentiating its gradient function; for ours (and any
+whose forward runs with the tapes stopped) it got none: found 2026-12-04,
+a block's JVP was None in eager mode, and in a `tf.function` with the
+accumulator inside it zero, and a Hessian-vector product (an accumulator
+around a tape) half the plain one's norm, silently. `tf.recompute_grad`
+raises there instead. Pure forward mode keeps no activations to recompute;
+forward-over-reverse keeps the plain call's. A `tf.function` traced with
+recompute outside any accumulator and called inside one is differentiated
+through its graph's gradient, and its JVP is the plain one's.
 """
 
 import contextlib
@@ -42,12 +55,13 @@ import threading
 import tensorflow as tf
 
 from keras_recompute import _context, _patch, _policy
-from keras_recompute._errors import RecomputeError
+from keras_recompute._errors import RecomputeError, warn_runs_plain
 from keras_recompute.backends import _keras2, _keras3, _tf_keras, _tf_keras_builtin
 from keras_recompute.backends._tf_private import (
     LEGACY,
     TF_VERSION,
     custom_gradient,
+    forward_accumulator_active,
     in_xla_context,
     require_modern,
     stop_recording,
@@ -117,6 +131,9 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full", offload
     """
     if offload:
         raise ValueError(_policy.offload_refused_message(context.name, "tensorflow"))
+    if forward_accumulator_active():  # NOTE [ forward-mode differentiation ]
+        warn_runs_plain(context.name, "inside a tf.autodiff.ForwardAccumulator, where a recomputed call has no JVP")
+        return fn(*args, **kwargs)
     if LEGACY and (TF_VERSION < (2, 0) or _keras2.is_layer(context.owner) or not tf_2_behavior()):
         from keras_recompute.backends import tensorflow_v1  # NOTE [ TensorFlow versions ] in `_tf_private`
 
