@@ -560,6 +560,46 @@ def test_gradient_penalty_through_a_recomputed_block(K, mode):
     assert_close(actual[1], expected[1], what="gradients of the penalty")
 
 
+@pytest.mark.parametrize("policy", ["full", "save_dots", "attention_core"])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_persistent_tape_differentiates_a_recomputed_block_again(K, mode, policy, reproducible_under):
+    """A persistent tape's later gradients (two losses of one forward, as a GAN's step takes them) recompute again,
+    and each equals the twin's: the dropout masks are the forward's every time."""
+    if K.__name__ == "tf_keras" and policy != "full":
+        pytest.skip("the policies' TensorFlow paths are Keras 3's: tf_keras's own state under full is enough")
+    reproducible_under(K, mode == "jit")
+    x = tf.random.stateless_normal((3, 5, 16), seed=[7, 1])
+    Block = bert_block(K)
+    reset_random(K)
+    plain = Block()
+    plain(x)
+    reset_random(K)
+    recomputed = recomputed_class(Block, policy=policy)()
+    with recompute_scope(False):
+        recomputed(x)
+    copy_weights(plain, recomputed)
+
+    def gradients(layer):
+        def step(x):
+            with tf.GradientTape(persistent=True) as tape:
+                tape.watch(x)
+                y = layer(x, training=True)
+                first, second = tf.reduce_sum(tf.sin(y)), tf.reduce_sum(tf.cos(1.3 * y))  # not y**2: a norm's output fixes it
+            weights = layer.trainable_weights
+            return [tape.gradient(first, [x] + weights), tape.gradient(second, weights[:4]), tape.gradient(first, weights)]
+
+        reset_random(K)
+        return compile_mode(step, mode)(x)
+
+    expected = gradients(plain)
+    with recompute_scope(True):
+        actual = gradients(recomputed)
+    for index, (got, want) in enumerate(zip(actual, expected)):
+        assert all(g is not None for g in got)
+        assert_close(got, want, what=f"gradient {index} of the persistent tape")
+    assert_recomputes(lambda x: recomputed(x, training=True), x, recomputed.trainable_weights)
+
+
 @pytest.mark.parametrize("mode", ["eager", "function"])
 def test_a_raw_random_op_raises_instead_of_a_wrong_gradient(mode):
     """A draw that bypasses Keras's random layers cannot be replayed: it must not pass silently."""

@@ -18,7 +18,8 @@ import pytest
 from keras import layers, ops
 
 from _keras3_twins import (
-    BACKEND, FAST_MODE, MODES, _numpy, assert_close, compare_with_twin, loss_and_gradients, recomputed_class, torch_tensor,
+    BACKEND, FAST_MODE, MODES, _numpy, assert_close, assert_recomputes, build_twins, compare_with_twin, loss_and_gradients,
+    recomputed_class, torch_tensor,
 )
 from test_keras3 import Block
 
@@ -133,6 +134,57 @@ def test_gradient_penalty_through_a_recomputed_block():
         actual = _penalty_gradients(recomputed)
     assert_close(actual, expected, what="penalty and its gradients")
     assert all(np.any(g != 0) for g in actual[1:])
+
+
+class AttentionWithDropout(layers.Layer):
+    """Self-attention with attention dropout, then a Dense with dropout: masks drawn in the call and its core."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.attention = layers.MultiHeadAttention(2, 8, dropout=0.2)
+        self.dense = layers.Dense(16)
+        self.dropout = layers.Dropout(0.3)
+
+    def call(self, inputs, training=None):
+        return inputs + self.dropout(self.dense(self.attention(inputs, inputs, training=training)), training=training)
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="PyTorch's retain_graph (JAX differentiates functions: no graph kept)")
+@pytest.mark.parametrize("policy", ["full", "attention_core", "save_dots"])
+def test_a_second_backward_through_the_same_graph(policy):
+    """Two losses of one forward, each differentiated with `retain_graph=True` (as a GAN's step), then `.backward()`
+    twice: each backward recomputes again and equals the twin's, the masks the forward's (the tape that keeps them
+    under `attention_core` was entered only once before 2026-12-04: an AttributeError). `"save_dots"` hands its kept
+    matmuls to the first backward and refuses a second, naming `retain_graph`."""
+    import torch
+
+    x = np.random.RandomState(5).standard_normal((2, 5, 16)).astype("float32")
+    plain, recomputed = build_twins(AttentionWithDropout, [x], policy=policy)
+
+    def gradients(layer):
+        inputs = torch_tensor(x, requires_grad=True)
+        weights = [v.value for v in layer.trainable_variables]
+        for weight in weights:
+            weight.grad = None
+        outputs = layer(inputs, training=True)
+        first, second = torch.sin(outputs).sum(), (outputs**2).sum()
+        got = list(torch.autograd.grad(first, [inputs] + weights, retain_graph=True))
+        got += list(torch.autograd.grad(second, weights[:4], retain_graph=True))
+        first.backward(retain_graph=True)
+        first.backward()
+        return [_numpy(g) for g in got + [w.grad for w in weights]]
+
+    keras.utils.set_random_seed(1)
+    expected = gradients(plain)
+    keras.utils.set_random_seed(1)
+    with recompute_scope(True):
+        if policy == "save_dots":
+            with pytest.raises(RecomputeError, match="retain_graph"):
+                gradients(recomputed)
+            return
+        actual = gradients(recomputed)
+    assert_close(actual, expected, what="gradients of two backwards through one graph")
+    assert_recomputes(recomputed, [x], lambda layer, xs: layer(xs[0], training=True))
 
 
 class Regularized(layers.Layer):

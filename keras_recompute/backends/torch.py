@@ -156,7 +156,7 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full", offload
         replay = _Contexts(_config.recompute_scope(enabled), _keras3.replay(state, owner))
         if tape is None:
             return forward, _Contexts(replay, recompute)
-        return _Contexts(tape.recording(), forward), _Contexts(replay, recompute, tape.replaying())
+        return _Contexts(tape.recording(), forward), _Contexts(replay, recompute, _Fresh(tape.replaying))
 
     offloading = _offloaded(context.name) if offload else contextlib.nullcontext()
     # The checkpoint saves the call's inputs under the hooks active when it is
@@ -679,6 +679,28 @@ class _Contexts:
 
     def __exit__(self, *exc_info):
         return self._stack.__exit__(*exc_info)
+
+
+class _Fresh:
+    """A context made afresh by `factory()` each time it is entered.
+
+    Torch enters a call's recompute context once per recompute, and a second
+    backward through the same graph (`retain_graph=True`) recomputes again: a
+    generator's context (`_DropoutTape.replaying`) can be entered only once
+    (an `AttributeError` from contextlib the second time, found 2026-12-04).
+    """
+
+    def __init__(self, factory):
+        self._factory = factory
+        self._entered = []
+
+    def __enter__(self):
+        context = self._factory()
+        self._entered.append(context)
+        return context.__enter__()
+
+    def __exit__(self, *exc_info):
+        return self._entered.pop().__exit__(*exc_info)
 
 
 
