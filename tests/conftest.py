@@ -108,6 +108,8 @@ def _backward_in_another_thread():
 
     def threaded(name):
         def run_elsewhere(*args, **kwargs):
+            if torch._C._are_functorch_transforms_active():  # torch.func's levels live in this thread: kept here
+                return originals[name](*args, **kwargs)
             result, raised = [], []
             modes = _get_current_dispatch_mode_stack()
 

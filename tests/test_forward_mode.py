@@ -1,4 +1,4 @@
-"""Forward-mode differentiation through a recomputed block, every backend: the plain call's derivatives.
+"""Forward-mode differentiation and function transforms through a recomputed block: the plain call's derivatives.
 
 NOTE [ forward-mode differentiation ] in `backends/tensorflow.py` and NOTE [ forward-mode differentiation on
 JAX ] in `backends/jax.py`. Before them, TensorFlow's JVP of a recomputed block was None (eager) or zero (a
@@ -8,8 +8,10 @@ raised its own error. Compared here with an undecorated twin that has the same w
   * a Hessian-vector product (forward over reverse: an accumulator around a tape; `jax.jvp` of `jax.grad`);
   * on TensorFlow, reverse over forward (a tape around an accumulator), and a `tf.function` traced with
     recompute outside any accumulator and called inside one.
-Where the recompute cannot serve (forward mode on TensorFlow and JAX, any accumulator on TensorFlow) the
-call runs plain with a warning naming it; where it can (JAX's forward over reverse, the function traced
+And PyTorch's `torch.func` transforms (`grad`, `vmap` of `grad`: per-sample gradients; NOTE [ torch.func
+transforms ] in `backends/torch.py`), which raised on the recompute's saved-tensor hooks before.
+Where the recompute cannot serve (forward mode on TensorFlow and JAX, any accumulator on TensorFlow, a
+torch.func transform) the call runs plain with a warning naming it; where it can (JAX's forward over reverse, the function traced
 outside), no warning, and on JAX the step is proven to recompute.
 """
 
@@ -186,3 +188,30 @@ def test_jax_linearize_through_a_recomputed_block_raises_jaxs_error():
         _, linear = jax.linearize(lambda x: recomputed.stateless_call(trainable, non_trainable, x)[0], jax.numpy.asarray(X))
         with pytest.raises(TypeError, match="custom_vjp"):
             linear(jax.numpy.asarray(TANGENT))
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="PyTorch's torch.func")
+@pytest.mark.parametrize("transform", ["grad", "per_sample_grad", "jvp"])
+def test_torch_func_transforms_through_a_recomputed_block_are_the_plain_blocks(transform, warned):
+    import torch
+
+    plain, recomputed = build_twins(DropoutBlock, [X])  # inference: a vmap refuses random draws it was not told of
+    x, tangent = torch_tensor(X), torch_tensor(TANGENT)
+
+    def run(layer):
+        def loss(rows):
+            return torch.sin(layer(rows)).sum()
+
+        if transform == "grad":
+            return torch.func.grad(loss)(x)
+        if transform == "per_sample_grad":
+            return torch.func.vmap(torch.func.grad(lambda row: loss(row[None])))(x)
+        return torch.func.jvp(lambda rows: layer(rows), (x,), (tangent,))[1]
+
+    expected = _numpy(run(plain))
+    with recompute_scope(True):
+        actual = _numpy(run(recomputed))
+    assert np.any(actual != 0)
+    assert_close(actual, expected, what=f"torch.func {transform}")
+    said = _runs_plain(warned)
+    assert len(said) == 1 and recomputed.name in said[0] and "torch.func" in said[0], said

@@ -44,7 +44,9 @@ around a tape) half the plain one's norm, silently. `tf.recompute_grad`
 raises there instead. Pure forward mode keeps no activations to recompute;
 forward-over-reverse keeps the plain call's. A `tf.function` traced with
 recompute outside any accumulator and called inside one is differentiated
-through its graph's gradient, and its JVP is the plain one's.
+through its graph's gradient, and its JVP is the plain one's; one first
+traced inside an accumulator keeps the plain call when called outside it
+(TensorFlow does not trace it again).
 """
 
 import contextlib

@@ -29,6 +29,16 @@ is the whole call in any case, since the backward needs nearly all of it.
 `check=True` keeps torch's determinism check (shapes, dtypes and devices of
 the recomputed tensors) and adds a check of the values: see NOTE [ the
 recompute check on PyTorch ]. `check=False` turns both off.
+
+NOTE [ torch.func transforms ]
+Under `torch.func.grad`, `vjp`, `jacrev` or `vmap` a recomputed call runs as
+the plain call (with a warning once per call). Found 2026-12-04: torch's
+checkpoint raised there ("torch.func.{grad, vjp, jacrev, hessian} don't yet
+support saved tensor hooks"; under `vmap`, its RNG state saved by a random
+op vmap refuses). The functorch transforms keep what they need themselves;
+per-sample gradients (`vmap` of `grad`) are the plain call's. PyTorch's own
+reverse mode, its dual tensors (forward mode) and `torch.compile` (which does
+not run the transforms where the call's Python runs) recompute.
 """
 
 import bisect
@@ -45,7 +55,7 @@ from torch.utils import checkpoint as torch_checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from keras_recompute import _config, _policy
-from keras_recompute._errors import RecomputeError
+from keras_recompute._errors import RecomputeError, warn_runs_plain
 from keras_recompute.backends import _keras3
 
 
@@ -122,6 +132,9 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full", offload
     owner = context.owner if _keras3.is_layer(context.owner) else None
     if not torch.is_grad_enabled() or _keras3.in_symbolic_scope():
         # Nothing is saved for a backward that will not run.
+        return fn(*args, **kwargs)
+    if torch._C._are_functorch_transforms_active():  # NOTE [ torch.func transforms ]
+        warn_runs_plain(context.name, "under a torch.func transform (grad, vjp, vmap), which takes no saved-tensor hooks")
         return fn(*args, **kwargs)
     state = _keras3.capture(owner, _snapshot, eager=True, backend="torch")
     # NOTE [ the recompute's thread ]: on a GPU autograd runs the backward, and so the recompute,
