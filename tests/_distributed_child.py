@@ -13,8 +13,8 @@ CASE:
                   shards the feed-forward and attention kernels over two devices.
     ddp           Keras 3 on PyTorch, one worker of torch's DistributedDataParallel
                   (gloo, on the CPU) in a training loop of torch's, as Keras's guide
-                  to multi-GPU training with PyTorch writes it; RANK, WORLD_SIZE,
-                  MASTER_ADDR and MASTER_PORT come from the environment. It trains
+                  to multi-GPU training with PyTorch writes it; RANK, WORLD_SIZE and
+                  DDP_INIT_METHOD (a file:// store) come from the environment. It trains
                   twice in one process group, with recompute off, then on
                   (RECOMPUTE: both), each from the same weights and seeds.
 RECOMPUTE: 0 or 1 (the blocks' `call` is decorated; the switch decides), or both (ddp).
@@ -27,6 +27,7 @@ dropout, BatchNormalization and a feed-forward pair, recomputed as one call;
 SGD, three epochs of two steps, data the same on every worker.
 """
 
+import hashlib
 import json
 import os
 import sys
@@ -192,10 +193,13 @@ def torch_ddp():
 
     from keras_recompute import recompute_scope
 
-    dist.init_process_group("gloo")
+    # A file store: no port to pick.
+    dist.init_process_group(
+        "gloo", init_method=os.environ["DDP_INIT_METHOD"], rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"])
+    )
     rank, world = dist.get_rank(), dist.get_world_size()
     x, y = data()
-    record = {"replicas": world}
+    record, moves = {"replicas": world}, {}
     for switch in ("0", "1"):
         keras.utils.set_random_seed(0)
         model = build(keras)
@@ -214,9 +218,16 @@ def torch_ddp():
                     loss.backward()
                     optimizer.step()
                     losses.append(float(loss.detach()))
-        moves = [np.array(keras.ops.convert_to_numpy(w)) - w0 for w, w0 in zip(model.trainable_weights, initial)]
-        record[switch] = {"losses": losses, "calls": CALLS[0], "moves": [m.ravel().tolist() for m in moves]}
+        moves[switch] = [np.array(keras.ops.convert_to_numpy(w)) - w0 for w, w0 in zip(model.trainable_weights, initial)]
+        record[switch] = {"losses": losses, "calls": CALLS[0]}
+        # Freed before the process group is destroyed: a DDP freed after it destroyed the group holding the GIL, while
+        # gloo's thread, which the destructor joins, waited for the GIL (a deadlock one run in three or four).
+        del ddp, optimizer
     dist.destroy_process_group()
+    # The moves are compared here: the workers print a few numbers, not the weights.
+    record["move_norms"] = [float(np.linalg.norm(m)) for m in moves["1"]]
+    record["move_differences"] = [float(np.linalg.norm(on - off)) for on, off in zip(moves["1"], moves["0"])]
+    record["moves_digest"] = hashlib.sha256(b"".join(m.astype("float32").tobytes() for m in moves["1"])).hexdigest()
     return record
 
 

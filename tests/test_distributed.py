@@ -93,15 +93,16 @@ def _multiworker(switch):
     processes = []
     for index in range(2):
         config = json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}})
-        processes.append(
-            subprocess.Popen(
-                [sys.executable, CHILD, "multiworker", switch],
-                env=_env(TF_CONFIG=config),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
+        processes.append(_start([CHILD, "multiworker", switch], _env(TF_CONFIG=config)))
+    return _records(processes)
+
+
+def _start(arguments, env):
+    return subprocess.Popen([sys.executable] + arguments, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _records(processes):
+    """Each worker's record, once all have ended (all are killed if one fails or times out)."""
     results = []
     try:
         for process in processes:
@@ -129,38 +130,21 @@ def test_multi_worker_mirrored_strategy_same_losses_tf_keras():
     os.environ["KERAS_BACKEND"] != "torch" or os.environ.get("KERAS_RECOMPUTE_TESTS_BACKWARD_THREAD") == "1",
     reason="in the PyTorch run (its workers are processes of their own: the GPU-like run would repeat it)",
 )
-def test_torch_distributed_data_parallel_same_updates():
+def test_torch_distributed_data_parallel_same_updates(tmp_path):
     """Keras 3 on PyTorch under torch's DistributedDataParallel (two gloo workers, a torch training loop, six SGD
     steps): each worker's weights move as without recompute, and alike on both workers."""
-    (port,) = _free_ports(1)
-    processes = [
-        subprocess.Popen(
-            [sys.executable, CHILD, "ddp", "both"],
-            env=_env(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    workers = []
-    try:
-        for process in processes:
-            stdout, stderr = process.communicate(timeout=TIMEOUT)
-            workers.append(_record(subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)))
-    finally:
-        for process in processes:
-            process.kill()
+    store = f"file://{tmp_path / 'store'}"
+    workers = _records([
+        _start([CHILD, "ddp", "both"], _env(RANK=str(rank), WORLD_SIZE="2", DDP_INIT_METHOD=store)) for rank in range(2)
+    ])
     for worker in workers:
         off, on = worker["0"], worker["1"]
         assert worker["replicas"] == 2 and len(off["losses"]) == 6
-        moves = [np.asarray(m) for m in on["moves"]]
-        assert all(np.any(m != 0) for m in moves), "a weight did not move"
-        for move, plain in zip(moves, off["moves"]):
-            np.testing.assert_allclose(np.linalg.norm(move - plain), 0.0, atol=1e-5 * np.linalg.norm(plain))
+        assert all(norm > 0 for norm in worker["move_norms"]), "a weight did not move"
+        for difference, norm in zip(worker["move_differences"], worker["move_norms"]):  # ||on - off||, ||on||
+            assert difference <= 1e-5 * norm, (difference, norm)
         assert on["calls"] > off["calls"], (on["calls"], off["calls"])  # the recompute runs each block's call again
-    for first, second in zip(workers[0]["1"]["moves"], workers[1]["1"]["moves"]):  # DDP keeps the workers alike
-        np.testing.assert_allclose(first, second, rtol=1e-6, atol=1e-7)
+    assert workers[0]["moves_digest"] == workers[1]["moves_digest"]  # DDP keeps the workers alike, bit for bit
 
 
 @jax_run
