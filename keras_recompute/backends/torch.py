@@ -112,6 +112,11 @@ def _keras_tree_without_cycles():
 _keras_tree_without_cycles()
 
 
+# Whether a torch.func transform is active in this thread (NOTE [ torch.func transforms ]); a torch without this
+# private query raises its own error under the transforms, as before.
+_functorch_transforms_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+
+
 def recompute_call(fn, args, kwargs, context, check=True, policy="full", offload=False):
     """Calls `fn(*args, **kwargs)` under `torch.utils.checkpoint`.
 
@@ -133,7 +138,7 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full", offload
     if not torch.is_grad_enabled() or _keras3.in_symbolic_scope():
         # Nothing is saved for a backward that will not run.
         return fn(*args, **kwargs)
-    if torch._C._are_functorch_transforms_active():  # NOTE [ torch.func transforms ]
+    if _functorch_transforms_active():  # NOTE [ torch.func transforms ]
         warn_runs_plain(context.name, "under a torch.func transform (grad, vjp, vmap), which takes no saved-tensor hooks")
         return fn(*args, **kwargs)
     state = _keras3.capture(owner, _snapshot, eager=True, backend="torch")
