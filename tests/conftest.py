@@ -104,11 +104,13 @@ def _backward_in_another_thread():
     import torch
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
 
+    from keras_recompute.backends.torch import _functorch_transforms_active
+
     originals = {"backward": torch.autograd.backward, "grad": torch.autograd.grad}
 
     def threaded(name):
         def run_elsewhere(*args, **kwargs):
-            if torch._C._are_functorch_transforms_active():  # torch.func's levels live in this thread: kept here
+            if _functorch_transforms_active():  # torch.func's levels live in this thread: kept here
                 return originals[name](*args, **kwargs)
             result, raised = [], []
             modes = _get_current_dispatch_mode_stack()

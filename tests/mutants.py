@@ -345,8 +345,8 @@ MUTANTS = [
     ),
     Mutant(
         "jax_forward_mode_not_seen", "a JVP through a recomputed call is taken as reverse mode (JAX's custom_vjp error)",
-        "keras_recompute/backends/jax.py", "    return isinstance(jax_private_core.find_top_trace(values), ad.JVPTrace)",
-        "    return False",
+        "keras_recompute/backends/jax.py",
+        "    return isinstance(_jax_private_core.find_top_trace(values), _jax_ad.JVPTrace)", "    return False",
         "jax", ["test_forward_mode.py"],
     ),
     Mutant(

@@ -83,21 +83,25 @@ def _is_differentiable(value):
     return isinstance(value, jax.Array) and jnp.issubdtype(value.dtype, jnp.inexact)
 
 
+try:  # private names, for `_under_forward_mode`
+    from jax._src import core as _jax_private_core
+    from jax._src.interpreters import ad as _jax_ad
+except ImportError:  # pragma: no cover - depends on the JAX version
+    _jax_private_core = _jax_ad = None
+# Where JAX linearizes directly (its default since 0.5; a flag before), reverse mode traces with a `LinearizeTrace`.
+_DIRECT_LINEARIZE = getattr(jax.config, "jax_use_direct_linearize", True)
+
+
 def _under_forward_mode(values):
     """Whether `values` are traced for a JVP now (NOTE [ forward-mode differentiation on JAX ]).
 
-    Where JAX linearizes directly (its default since 0.5; a flag before), reverse mode traces with a
-    `LinearizeTrace` and only `jax.jvp` (and `jax.jacfwd`, its `vmap`) with a `JVPTrace`. Elsewhere, or
-    without these private names, False: JAX's own error then says it.
+    Where JAX linearizes directly, reverse mode traces with a `LinearizeTrace` and only `jax.jvp` (and
+    `jax.jacfwd`, its `vmap`) with a `JVPTrace`. Elsewhere, or without these private names, False: JAX's own
+    error then says it.
     """
-    if not getattr(jax.config, "jax_use_direct_linearize", True):
+    if _jax_private_core is None or not _DIRECT_LINEARIZE:
         return False
-    try:
-        from jax._src import core as jax_private_core
-        from jax._src.interpreters import ad
-    except ImportError:  # pragma: no cover - depends on the JAX version
-        return False
-    return isinstance(jax_private_core.find_top_trace(values), ad.JVPTrace)
+    return isinstance(_jax_private_core.find_top_trace(values), _jax_ad.JVPTrace)
 
 
 def recompute_call(fn, args, kwargs, context, check=True, policy="full", offload=False):
