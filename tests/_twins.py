@@ -35,19 +35,28 @@ def _projection(tensor, index):
     return tf.cast(values, tensor.dtype)
 
 
+def leaves(structure):
+    """The leaves of `structure`, a ragged or sparse tensor's components in its place (IndexedSlices stay whole)."""
+    found = []
+    for leaf in tf.nest.flatten(structure):
+        composite = isinstance(leaf, (tf.RaggedTensor, tf.SparseTensor))
+        found.extend(tf.nest.flatten(leaf, expand_composites=True) if composite else [leaf])
+    return found
+
+
 def loss_and_gradients(call, inputs, weights):
     """Runs `call(inputs)` under a tape; returns outputs and gradients.
 
     The gradients are those of the float leaves of `inputs`, then of each of
     `weights` (None where a weight gets no gradient).
     """
-    float_inputs = [x for x in tf.nest.flatten(inputs) if x.dtype.is_floating]
+    float_inputs = [x for x in leaves(inputs) if x.dtype.is_floating]
     with tf.GradientTape() as tape:
         tape.watch(float_inputs)
         outputs = call(inputs)
         terms = [
             tf.reduce_sum(tf.cast(tf.sin(out) * _projection(out, i), tf.float32))
-            for i, out in enumerate(tf.nest.flatten(outputs))
+            for i, out in enumerate(leaves(outputs))
             if out.dtype.is_floating
         ]
         loss = tf.add_n(terms)
@@ -64,7 +73,7 @@ def _numpy(value):
 def assert_close(actual, expected, rtol=RTOL, what="value"):
     """`_compare.assert_close` on TensorFlow values: equal up to float reassociation."""
     _compare.assert_close(
-        [_numpy(a) for a in tf.nest.flatten(actual)], [_numpy(e) for e in tf.nest.flatten(expected)], rtol, what
+        [_numpy(a) for a in leaves(actual)], [_numpy(e) for e in leaves(expected)], rtol, what
     )
 
 

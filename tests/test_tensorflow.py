@@ -176,6 +176,36 @@ def test_token_ids_and_boolean_masks_pass_through(K, mode):
     np.testing.assert_array_equal(outputs[1], ids * 2)
 
 
+@pytest.mark.parametrize("mode", ["eager", "function"])  # XLA compiles no ragged or sparse kernels
+def test_ragged_and_sparse_inputs_and_outputs(K, mode):
+    """NOTE [ composite tensors ]: taken whole, a ragged output carried no gradient (all None, no error)."""
+    counter = []
+
+    class Composite(K.layers.Layer):
+        def build(self, input_shape):
+            self.kernel = self.add_weight(shape=(4, 4), name="kernel")
+            self.scale = self.add_weight(shape=(), name="scale", initializer="ones")
+            super().build(input_shape)
+
+        def call(self, inputs):
+            counter.append(1)
+            ragged, sparse = inputs
+            mixed = tf.ragged.map_flat_values(lambda v: tf.tanh(tf.matmul(v, self.kernel)), ragged)
+            dense = tf.sparse.sparse_dense_matmul(sparse, self.kernel)
+            scaled = tf.sparse.map_values(lambda v: tf.sin(v * self.scale), sparse)
+            return mixed, scaled, dense + tf.reduce_sum(mixed, axis=1)
+
+    ragged = tf.RaggedTensor.from_row_lengths(tf.random.stateless_normal((7, 4), seed=[5, 5]), [3, 0, 4])
+    sparse = tf.sparse.SparseTensor([[0, 1], [2, 0], [2, 3]], tf.constant([0.5, -1.5, 2.0]), [3, 4])
+    recomputed = recomputed_class(Composite)()
+    plain = twins(Composite, recomputed, (ragged, sparse))
+    counter.clear()
+    actual, _ = compare_with_twin(plain, recomputed, (ragged, sparse), mode)
+    assert isinstance(actual[0][0], tf.RaggedTensor) and isinstance(actual[0][1], tf.SparseTensor)
+    assert len(counter) == 3, counter  # the twin once, ours twice: the forward and its recompute
+    assert all(g is not None for g in actual[1]), "a gradient was lost"
+
+
 @pytest.mark.parametrize("dtype", [tf.float16, tf.bfloat16])
 @pytest.mark.parametrize("mode", MODES)
 def test_low_precision_inputs_are_differentiated(dtype, mode):

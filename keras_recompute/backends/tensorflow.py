@@ -108,6 +108,32 @@ def _refuse_unseen_variables(tape, variables, context):
             )
 
 
+def _flatten(structure):
+    """The tensors of `structure`, a ragged or sparse tensor's components among them (NOTE [ composite tensors ])."""
+    return tf.nest.flatten(structure, expand_composites=True)
+
+
+def _pack(structure, leaves, masks=True):
+    """`structure` rebuilt from `_flatten`'s `leaves`; with `masks`, each tensor with the mask Keras attached to the one
+    it replaces.
+
+    NOTE [ composite tensors ]
+    A `tf.RaggedTensor` or `tf.SparseTensor` (an argument, or what the call
+    returns) is differentiated through its float component (`flat_values`,
+    `values`); its index components (row splits, indices, shape) pass as
+    token ids do. Taken whole, as one leaf, it was neither an input nor an
+    output of the custom gradient: a ragged output carried no gradient at all
+    (every weight's and input's None, no error), a ragged input none to the
+    layers before. So the call's arguments and outputs are taken apart into
+    their components and rebuilt around them (a variable stays one leaf:
+    `tf.nest` does not expand it).
+    """
+    rebuilt = tf.nest.pack_sequence_as(structure, leaves, expand_composites=True)
+    if masks:
+        _context.copy_masks(tf.nest.flatten(structure), tf.nest.flatten(rebuilt))
+    return rebuilt
+
+
 def _is_differentiable(value):
     return isinstance(value, tf.Tensor) and value.dtype.is_floating
 
@@ -168,7 +194,7 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full", offload
             with reads.recording(), dots.recording() if dots else contextlib.nullcontext():
                 with masks.recording() if masks else contextlib.nullcontext():
                     outputs = call_with(inputs)
-        out_leaves = tf.nest.flatten(outputs)
+        out_leaves = _flatten(outputs)
         out_positions = [i for i, leaf in enumerate(out_leaves) if _is_differentiable(leaf)]
         heads = [_Head.of(out_leaves[i]) for i in out_positions]
         # NOTE [ add_loss ]: a loss added inside the call is an output of the
@@ -202,7 +228,7 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full", offload
                             replayed = call_with(replay_inputs, constants, wait)
             if LEGACY:
                 _refuse_unseen_variables(tape, variables, context)
-            replayed_heads, checks = expected.compare(tf.nest.flatten(replayed), name, wait.exact, as_data=True)
+            replayed_heads, checks = expected.compare(_flatten(replayed), name, wait.exact, as_data=True)
             if dots:
                 checks += dots.compare(wait.exact, as_data=True)
             replayed_losses = [
@@ -239,8 +265,7 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full", offload
     out_leaves = list(forward["leaves"])
     for position, value in zip(forward["positions"], _Head.rebuild_all(heads, results[:count])):
         out_leaves[position] = value
-    _context.copy_masks(forward["leaves"], out_leaves)
-    return tf.nest.pack_sequence_as(forward["outputs"], out_leaves)
+    return _pack(forward["outputs"], out_leaves)
 
 
 def _arguments(fn, args, kwargs, context):
@@ -256,7 +281,7 @@ def _arguments(fn, args, kwargs, context):
         fresh tensors get the call's masks.
     """
     structure = (args, kwargs)
-    leaves = tf.nest.flatten(structure)
+    leaves = _flatten(structure)
     positions = [i for i, leaf in enumerate(leaves) if _is_differentiable(leaf)]
     constant_positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, tf.Tensor) and i not in positions]
 
@@ -266,9 +291,9 @@ def _arguments(fn, args, kwargs, context):
             new_leaves[position] = value
         for position, value in zip(constant_positions, constants or ()):
             new_leaves[position] = value
-        call_args, call_kwargs = tf.nest.pack_sequence_as(structure, new_leaves)
+        # The forward's masks copied, should TensorFlow have passed a copy; the recompute's attached below.
+        call_args, call_kwargs = _pack(structure, new_leaves, masks=wait is None)
         if wait is None:
-            _context.copy_masks(leaves, new_leaves)  # should TensorFlow have passed a copy
             return fn(*call_args, **call_kwargs)
         with context.masks_attached(call_args, call_kwargs, transform=wait):
             return fn(*call_args, **call_kwargs)
@@ -1180,7 +1205,7 @@ def measure_unit(layer, args, kwargs, policy, timed=True, execution="compiled", 
         with tf.GradientTape() as tape:
             tape.watch(differentiated)
             outputs = layer(*call_args, **call_kwargs)
-            loss = tf.add_n([tf.reduce_sum(tf.cast(o, tf.float32)) for o in tf.nest.flatten(outputs) if _is_differentiable(o)])
+            loss = tf.add_n([tf.reduce_sum(tf.cast(o, tf.float32)) for o in _flatten(outputs) if _is_differentiable(o)])
         forward_ops["count"] = len(tf.compat.v1.get_default_graph().get_operations())
         gradients = tape.gradient(loss, list(differentiated) + variables)
         return [g for g in gradients if g is not None]
@@ -1253,7 +1278,7 @@ def loss_peak(outputs, model=None):
     prediction without this point was 113.8 and 87.0 MB (0.61x and 0.52x). An
     answer that fits: over by up to twice the logits where the step held less.
     """
-    leaves = [o for o in tf.nest.flatten(outputs) if _is_differentiable(o) and o.shape.num_elements() is not None]
+    leaves = [o for o in _flatten(outputs) if _is_differentiable(o) and o.shape.num_elements() is not None]
     if not leaves:
         return 0
     forward_ops = {}
@@ -1386,7 +1411,7 @@ def _step_bytes_at(model, inputs):
 
     def step(values):
         with tf.GradientTape() as tape:
-            outputs = [o for o in tf.nest.flatten(model(values, **kwargs)) if _is_differentiable(o)]
+            outputs = [o for o in _flatten(model(values, **kwargs)) if _is_differentiable(o)]
             loss = tf.add_n([_stand_in_loss(output) for output in outputs]) if outputs else tf.zeros(())
         gradients = tape.gradient(loss, trainable)
         pairs = [(g, v) for g, v in zip(gradients, trainable) if g is not None]
@@ -1455,7 +1480,7 @@ def _eager_kept_bytes(layer, flat, positions, args, kwargs):
         tape.watch(differentiated)
         outputs = layer(*call_args, **call_kwargs)
     held = _bytes_in_use() - before
-    outputs_bytes = sum(o.shape.num_elements() * o.dtype.size for o in tf.nest.flatten(outputs) if isinstance(o, tf.Tensor))
+    outputs_bytes = sum(o.shape.num_elements() * o.dtype.size for o in _flatten(outputs) if isinstance(o, tf.Tensor))
     del tape, outputs
     return max(0, held - outputs_bytes)
 

@@ -31,10 +31,19 @@ import itertools
 
 import tensorflow as tf
 
-from keras_recompute import _context, _policy
+from keras_recompute import _policy
 from keras_recompute.backends import _keras2, _tf_keras_builtin
 from keras_recompute.backends._tf_private import require_modern, tape_active
-from keras_recompute.backends.tensorflow import _arguments, _Expected, _ForwardReads, _Head, _is_differentiable, _waiter
+from keras_recompute.backends.tensorflow import (
+    _arguments,
+    _Expected,
+    _flatten,
+    _ForwardReads,
+    _Head,
+    _is_differentiable,
+    _pack,
+    _waiter,
+)
 
 # Each recomputed call registers a gradient function of its own, by name.
 _names = itertools.count()
@@ -61,7 +70,7 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full"):
     with state.forward() if state else contextlib.nullcontext(), reads.recording():
         outputs = call_with([leaves[i] for i in positions])
     last = graph._last_id
-    out_leaves = tf.nest.flatten(outputs)
+    out_leaves = _flatten(outputs)
     out_positions = [i for i, leaf in enumerate(out_leaves) if _is_differentiable(leaf)]
     if not out_positions:
         return outputs
@@ -81,7 +90,7 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full"):
         constants = [wait(leaves[i]) for i in constant_positions]
         with state.replay(wait) if state else contextlib.nullcontext(), reads.replaying():
             replayed = call_with(replay_inputs, constants, wait)
-        replayed_heads, checks = expected.compare(tf.nest.flatten(replayed), name, wait.exact)
+        replayed_heads, checks = expected.compare(_flatten(replayed), name, wait.exact)
         pairs = [(target, g) for target, g in zip(_Head.differentiated(replayed_heads), upstream) if g is not None]
         # Partial derivatives: a source may be computed from another (a snapshot from its variable).
         differentiated = replay_inputs + sources
@@ -104,8 +113,7 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full"):
         # Keras 2 feeds the learning phase to a model only when an output says it uses it.
         if getattr(out_leaves[position], "_uses_learning_phase", False):
             value._uses_learning_phase = True
-    _context.copy_masks(out_leaves, new_leaves)
-    return tf.nest.pack_sequence_as(outputs, new_leaves)
+    return _pack(outputs, new_leaves)
 
 
 def _read_from_outside(graph, first, last, inputs):
