@@ -206,6 +206,85 @@ def test_ragged_and_sparse_inputs_and_outputs(K, mode):
     assert all(g is not None for g in actual[1]), "a gradient was lost"
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_a_tensor_the_call_reads_as_an_attribute_gets_its_gradient(K, mode):
+    """NOTE [ tensors a call closes over ]: a tensor set on the layer before its call (not an argument) was no input
+    of the custom gradient, and the layer that made it got the gradient None, with no error."""
+    counter = []
+
+    class Inner(K.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.dense = K.layers.Dense(6)
+
+        def call(self, inputs):
+            counter.append(1)
+            return tf.tanh(self.dense(inputs) * self.scale) + 0.5 * self.scale
+
+    def outer_class(inner_class):
+        class Outer(K.layers.Layer):
+            def __init__(self, **kwargs):
+                super().__init__(**kwargs)
+                self.position = K.layers.Dense(6)
+                self.inner = inner_class()
+
+            def call(self, inputs):
+                self.inner.scale = self.position(tf.ones((1, 6)))  # made here, read by the inner call
+                return self.inner(inputs)
+
+        return Outer
+
+    x = tf.random.stateless_normal((3, 6), seed=[6, 6])
+    recomputed = outer_class(recomputed_class(Inner))()
+    plain = twins(outer_class(Inner), recomputed, x)
+    counter.clear()
+    actual, _ = compare_with_twin(plain, recomputed, x, mode)
+    assert all(g is not None for g in actual[1]), "a gradient was lost"
+    assert len(counter) == 3, counter  # the twin once, ours twice: the forward and its recompute
+
+
+@pytest.mark.parametrize("mode", MODES + ("tape_outside_the_function",))
+def test_a_tensor_a_decorated_function_closes_over_gets_its_gradient(mode):
+    """NOTE [ tensors a call closes over ]: `@recompute_grad def block(h)` reading `position`, made before it; also
+    with the tape outside a `tf.function`, whose gradient TensorFlow takes from the function's graph."""
+    kernel = tf.Variable(tf.random.stateless_normal((4, 4), seed=[8, 8]))
+    scale = tf.Variable(tf.linspace(0.5, 1.5, 4))
+    x = tf.random.stateless_normal((3, 4), seed=[9, 9])
+    calls = []
+    position = {}
+
+    def block(h):
+        calls.append(1)
+        return tf.tanh(tf.matmul(h, kernel) * position["value"])
+
+    def gradients(fn):
+        def forward(h):
+            position["value"] = scale * 2.0
+            return fn(h)
+
+        if mode == "tape_outside_the_function":
+            compiled = tf.function(forward)
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(tf.sin(compiled(x)))
+            return tape.gradient(loss, [scale, kernel])
+
+        def step(h):
+            with tf.GradientTape() as tape:
+                tape.watch(h)
+                loss = tf.reduce_sum(tf.sin(forward(h)))
+            return tape.gradient(loss, [scale, kernel, h])
+
+        return compile_mode(step, mode)(x)
+
+    expected = gradients(block)
+    calls.clear()
+    with recompute_scope(True):
+        actual = gradients(recompute_grad(block))
+    assert actual[0] is not None, "the gradient of the tensor closed over was lost"
+    assert_close(actual, expected, what="gradients")
+    assert len(calls) == 2, calls  # the forward and its recompute (traced once each in a graph)
+
+
 @pytest.mark.parametrize("dtype", [tf.float16, tf.bfloat16])
 @pytest.mark.parametrize("mode", MODES)
 def test_low_precision_inputs_are_differentiated(dtype, mode):

@@ -194,6 +194,68 @@ def forward_accumulator_active():
     return _forwardprop_util is not None and bool(_forwardprop_util.pack_tangents([]).indices)
 
 
+try:
+    from tensorflow.python import pywrap_tfe as _pywrap_tfe
+    from tensorflow.python.framework import op_callbacks as _op_callbacks
+except ImportError:  # pragma: no cover - TensorFlow 1.x: used on the TF2 path only
+    _pywrap_tfe = _op_callbacks = None
+
+
+@contextlib.contextmanager
+def ops_made(callback):
+    """Within it, in this thread, `callback(op_type, inputs, outputs, graph)` is told of each op made or run.
+
+    TensorFlow's op callbacks: every eager op, and each graph op made through
+    TensorFlow's op wrappers (a few made another way are not seen).
+    """
+
+    if _op_callbacks is None:  # pragma: no cover - TensorFlow 1.x
+        yield
+        return
+
+    def seen(op_type, inputs, attrs, outputs, op_name=None, graph=None):
+        callback(op_type, inputs or (), outputs or (), graph)
+
+    _op_callbacks.add_op_callback(seen)
+    try:
+        yield
+    finally:
+        _op_callbacks.remove_op_callback(seen)
+
+
+class _NoWatcher:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def watched_variables(self):
+        return ()
+
+
+def watching_variables():
+    """A context whose `watched_variables()` lists the trainable variables read within it (TensorFlow's own
+    `VariableWatcher`, which `tf.custom_gradient` asks); before TensorFlow 2.4, none."""
+    watcher = getattr(_record, "VariableWatcher", None)
+    return _NoWatcher() if LEGACY or watcher is None else watcher()
+
+
+def tell_variable_watchers(variables):
+    """Tells the variable watchers active now that `variables` were read, as a read here would, and nothing else
+    (a tape is not told)."""
+    if LEGACY:
+        return
+    for variable in variables:
+        _pywrap_tfe.TFE_Py_VariableWatcherVariableAccessed(variable)
+
+
+def tracked_by_a_tape(tensor):
+    """Whether a tape recording now would record an op on `tensor`: its gradient is asked for."""
+    should_record = getattr(_record, "should_record_backprop", None) or _record.should_record
+    return should_record([tensor])
+
+
 def tape_active():
     """Whether a `GradientTape` records in this thread now."""
     return _record.could_possibly_record()
@@ -303,9 +365,13 @@ __all__ = [
     "TESTED_VERSIONS",
     "custom_gradient",
     "leave_to_autograph",
+    "ops_made",
     "require_modern",
     "stop_recording",
     "tape_active",
+    "tell_variable_watchers",
     "tf_2_behavior",
+    "tracked_by_a_tape",
     "variable_reads",
+    "watching_variables",
 ]

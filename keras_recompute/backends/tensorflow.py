@@ -65,10 +65,14 @@ from keras_recompute.backends._tf_private import (
     custom_gradient,
     forward_accumulator_active,
     in_xla_context,
+    ops_made,
     require_modern,
     stop_recording,
+    tell_variable_watchers,
     tf_2_behavior,
+    tracked_by_a_tape,
     variable_reads,
+    watching_variables,
 )
 
 
@@ -134,6 +138,86 @@ def _pack(structure, leaves, masks=True):
     return rebuilt
 
 
+class _ClosedOver:
+    """The float tensors a call's forward reads that it was not given: made before it, and closed over.
+
+    NOTE [ tensors a call closes over ]
+    A call may read a tensor it does not take as an argument: one set as an
+    attribute of its layer (`self.memory = encoder_output` before the call),
+    or one a decorated function closes over (`pos = embed(positions)` read
+    inside `@recompute_grad def block(h)`). As an input of the call's ops
+    only, not of the custom gradient, it got no gradient: the layers that
+    made it did not train (every weight of a position embedding read so had
+    the gradient None, with no error; JAX and PyTorch were right). So while
+    the forward runs, TensorFlow's op callbacks (`_tf_private.ops_made`)
+    list the float tensors its ops read that none of them made and that are
+    not its arguments, and these are inputs of the custom gradient too; the
+    recompute, which reads the same tensors, differentiates into them. The
+    forward runs before the custom gradient is made (it tells TensorFlow's
+    variable watchers what it read, for the custom gradient to ask their
+    gradients, `_tf_private.tell_variable_watchers`). In eager execution a
+    tensor is kept only if a tape records it (`tracked_by_a_tape`: the
+    forward runs with the tapes stopped, so nothing it made passes), so a
+    constant read costs nothing. In a graph, a tensor made before the
+    forward (an op id at most the graph's largest before it; a tensor the
+    forward made in an op the callbacks did not see is never taken for one)
+    or a capture the forward made of one outside its function is kept
+    whether a tape records it or not: the gradient of a `tf.function` may be
+    taken by `tf.gradients`, which no tape sees. An argument that is also
+    read as an attribute gets its gradient through the argument only.
+    """
+
+    def __init__(self, leaves):
+        self._given = {id(leaf) for leaf in leaves if isinstance(leaf, tf.Tensor)}
+        self._found = []
+
+    @contextlib.contextmanager
+    def watching(self):
+        eager = tf.executing_eagerly()
+        graph = None if eager else tf.compat.v1.get_default_graph()
+        first = None if eager else max(graph._nodes_by_id, default=0)
+        produced, captured, candidates = set(), set(), {}
+        given = self._given
+
+        def seen(op_type, inputs, outputs, op_graph):
+            if op_graph is not graph:  # a function traced inside the forward, or a graph op under eager
+                return
+            for tensor in inputs:
+                key = id(tensor)
+                if key not in produced and key not in given and _is_differentiable(tensor):
+                    candidates.setdefault(key, tensor)
+            if op_type == "Placeholder" and not eager:
+                captured.update(id(t) for t in outputs)  # a capture of a tensor outside the function, made now
+            else:
+                produced.update(id(t) for t in outputs)
+
+        with ops_made(seen):
+            yield
+        if eager:
+            self._found = [t for t in candidates.values() if tracked_by_a_tape(t)]
+        elif candidates:
+            # A capture of an argument from outside the function (an eager tensor passed in) is that argument.
+            external = {id(internal): outside for outside, internal in getattr(graph, "captures", ())}
+            self._found = [
+                t
+                for key, t in candidates.items()
+                if (t.op._id <= first or (key in captured and key in external)) and id(external.get(key)) not in given
+            ]
+
+    def tensors(self):
+        return list(self._found)
+
+
+def _as_read_here(tensor):
+    """`tensor` as the recompute's ops read it: in a function traced for a gradient, its capture there."""
+    if tf.executing_eagerly() or not hasattr(tensor, "graph"):
+        return tensor
+    graph = tf.compat.v1.get_default_graph()
+    if tensor.graph is graph or not hasattr(graph, "capture"):
+        return tensor
+    return graph.capture(tensor)
+
+
 def _is_differentiable(value):
     return isinstance(value, tf.Tensor) and value.dtype.is_floating
 
@@ -184,88 +268,96 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full", offload
     dots = _KeptDots(owner, name, context.trains, check) if policy == _policy.SAVE_DOTS else None
     masks = _KeptMasks() if _policy.keeps_dropout_masks(policy) and _keras3.is_layer(owner) else None
     reads = _ForwardReads(context.trains)
-    # Filled by the forward: the output structure, and its non-float leaves,
-    # which leave the custom gradient by this side door.
-    forward = {}
-
-    def checkpointed(*inputs):
-        loss_counts = [len(losses) for losses in loss_lists]
+    # In a graph, as the custom gradient takes them: an eager tensor passed in, captured.
+    inputs = [leaves[i] if tf.executing_eagerly() else tf.convert_to_tensor(leaves[i]) for i in positions]
+    closure = _ClosedOver(leaves + inputs)
+    loss_counts = [len(losses) for losses in loss_lists]
+    # The forward runs before the custom gradient is made, so that the tensors it
+    # closes over can be inputs of it (NOTE [ tensors a call closes over ]).
+    with watching_variables() as watcher, closure.watching():
         with stop_recording(), (legacy_state.forward() if legacy_state else contextlib.nullcontext()):
             with reads.recording(), dots.recording() if dots else contextlib.nullcontext():
                 with masks.recording() if masks else contextlib.nullcontext():
                     outputs = call_with(inputs)
-        out_leaves = _flatten(outputs)
-        out_positions = [i for i, leaf in enumerate(out_leaves) if _is_differentiable(leaf)]
-        heads = [_Head.of(out_leaves[i]) for i in out_positions]
-        # NOTE [ add_loss ]: a loss added inside the call is an output of the
-        # call: computed with the tapes stopped, it would carry no gradient.
-        added = [
-            (losses, index)
-            for losses, count in zip(loss_lists, loss_counts)
-            for index in range(count, len(losses))
-            if _is_differentiable(losses[index])
+    read_variables = watcher.watched_variables()
+    closed = closure.tensors()
+    out_leaves = _flatten(outputs)
+    out_positions = [i for i, leaf in enumerate(out_leaves) if _is_differentiable(leaf)]
+    heads = [_Head.of(out_leaves[i]) for i in out_positions]
+    # NOTE [ add_loss ]: a loss added inside the call is an output of the
+    # call: computed with the tapes stopped, it would carry no gradient.
+    added = [
+        (losses, index)
+        for losses, count in zip(loss_lists, loss_counts)
+        for index in range(count, len(losses))
+        if _is_differentiable(losses[index])
+    ]
+    expected = _Expected(out_leaves, heads, keep_values=check)
+
+    def grad(*upstream, variables=None):
+        variables = list(variables or ())
+        trainable = [v for v in variables if context.trains(v)]
+        sources = len(inputs) + len(closed)
+        if all(g is None for g in upstream):
+            return [None] * sources, [None] * len(variables)
+        wait = _waiter([g for g in upstream if g is not None])
+        replay_inputs = [wait(x) for x in inputs]
+        replay_closed = [_as_read_here(x) for x in closed]
+        constants = [wait(leaves[i]) for i in constant_positions]
+        state = keras_state and keras_state.map_values(wait)
+        with tf.GradientTape(watch_accessed_variables=LEGACY) as tape:
+            tape.watch(replay_inputs + replay_closed)
+            tape.watch(trainable)
+            keras_replay = _keras3.replay(state, owner)
+            legacy_replay = legacy_state and legacy_state.replay(wait)
+            with keras_replay, (legacy_replay or contextlib.nullcontext()), reads.replaying():
+                with dots.replaying(wait) if dots else contextlib.nullcontext():
+                    with masks.replaying() if masks else contextlib.nullcontext():
+                        replayed = call_with(replay_inputs, constants, wait)
+        if LEGACY:
+            _refuse_unseen_variables(tape, variables, context)
+        replayed_heads, checks = expected.compare(_flatten(replayed), name, wait.exact, as_data=True)
+        if dots:
+            checks += dots.compare(wait.exact, as_data=True)
+        replayed_losses = [
+            loss
+            for loss in keras_replay.losses + (legacy_replay.losses if legacy_replay else [])
+            if _is_differentiable(loss)
         ]
-        forward.update(outputs=outputs, leaves=out_leaves, positions=out_positions, heads=heads, added=added)
-        expected = _Expected(out_leaves, heads, keep_values=check)
+        if len(replayed_losses) != len(added):
+            raise RecomputeError(
+                f"keras_recompute: the recompute of {name} added {len(replayed_losses)} "
+                f"losses with add_loss, its forward {len(added)}. A recomputed "
+                "call must add the same losses each time."
+            )
+        targets = _Head.differentiated(replayed_heads) + replayed_losses
+        pairs = [(target, g) for target, g in zip(targets, upstream) if g is not None]
+        asserts = [check for check in checks if not isinstance(check, tf.Tensor)]
+        with tf.control_dependencies(asserts):
+            grads = tape.gradient(
+                [t for t, _ in pairs],
+                replay_inputs + replay_closed + trainable,
+                output_gradients=_add_checks([g for _, g in pairs], checks),
+            )
+        input_grads = _after(grads[:sources], grads[sources:])
+        by_variable = dict(zip((id(v) for v in trainable), grads[sources:]))
+        variable_grads = [by_variable.get(id(v)) for v in variables]
+        return input_grads, variable_grads
 
-        def grad(*upstream, variables=None):
-            variables = list(variables or ())
-            trainable = [v for v in variables if context.trains(v)]
-            if all(g is None for g in upstream):
-                return [None] * len(inputs), [None] * len(variables)
-            wait = _waiter([g for g in upstream if g is not None])
-            replay_inputs = [wait(x) for x in inputs]
-            constants = [wait(leaves[i]) for i in constant_positions]
-            state = keras_state and keras_state.map_values(wait)
-            with tf.GradientTape(watch_accessed_variables=LEGACY) as tape:
-                tape.watch(replay_inputs)
-                tape.watch(trainable)
-                keras_replay = _keras3.replay(state, owner)
-                legacy_replay = legacy_state and legacy_state.replay(wait)
-                with keras_replay, (legacy_replay or contextlib.nullcontext()), reads.replaying():
-                    with dots.replaying(wait) if dots else contextlib.nullcontext():
-                        with masks.replaying() if masks else contextlib.nullcontext():
-                            replayed = call_with(replay_inputs, constants, wait)
-            if LEGACY:
-                _refuse_unseen_variables(tape, variables, context)
-            replayed_heads, checks = expected.compare(_flatten(replayed), name, wait.exact, as_data=True)
-            if dots:
-                checks += dots.compare(wait.exact, as_data=True)
-            replayed_losses = [
-                loss
-                for loss in keras_replay.losses + (legacy_replay.losses if legacy_replay else [])
-                if _is_differentiable(loss)
-            ]
-            if len(replayed_losses) != len(added):
-                raise RecomputeError(
-                    f"keras_recompute: the recompute of {name} added {len(replayed_losses)} "
-                    f"losses with add_loss, its forward {len(added)}. A recomputed "
-                    "call must add the same losses each time."
-                )
-            targets = _Head.differentiated(replayed_heads) + replayed_losses
-            pairs = [(target, g) for target, g in zip(targets, upstream) if g is not None]
-            asserts = [check for check in checks if not isinstance(check, tf.Tensor)]
-            with tf.control_dependencies(asserts):
-                grads = tape.gradient(
-                    [t for t, _ in pairs], replay_inputs + trainable, output_gradients=_add_checks([g for _, g in pairs], checks)
-                )
-            input_grads = _after(grads[: len(replay_inputs)], grads[len(replay_inputs) :])
-            by_variable = dict(zip((id(v) for v in trainable), grads[len(replay_inputs) :]))
-            variable_grads = [by_variable.get(id(v)) for v in variables]
-            return input_grads, variable_grads
+    added_losses = [losses[index] for losses, index in added]
 
-        added_losses = [losses[index] for losses, index in added]
+    def checkpointed(*given):
+        tell_variable_watchers(read_variables)  # what the forward read, as if read here
         return _Head.differentiated(heads) + added_losses, grad
 
-    results = custom_gradient(checkpointed, lambda: _read_variables(context, reads))(*[leaves[i] for i in positions])
-    heads = forward["heads"]
+    results = custom_gradient(checkpointed, lambda: _read_variables(context, reads))(*inputs, *closed)
     count = len(_Head.differentiated(heads))
-    for (losses, index), loss in zip(forward["added"], results[count:]):
+    for (losses, index), loss in zip(added, results[count:]):
         losses[index] = loss
-    out_leaves = list(forward["leaves"])
-    for position, value in zip(forward["positions"], _Head.rebuild_all(heads, results[:count])):
+    out_leaves = list(out_leaves)
+    for position, value in zip(out_positions, _Head.rebuild_all(heads, results[:count])):
         out_leaves[position] = value
-    return _pack(forward["outputs"], out_leaves)
+    return _pack(outputs, out_leaves)
 
 
 def _arguments(fn, args, kwargs, context):
