@@ -344,6 +344,13 @@ MUTANTS = [
         "tensorflow", ["test_forward_mode.py"],
     ),
     Mutant(
+        "tf_closed_over_tensor_not_an_input", "a tensor a recomputed call reads without taking it is no input of the "
+        "custom gradient (the layers that made it get no gradient: NOTE [ tensors a call closes over ])",
+        "keras_recompute/backends/tensorflow.py", "    closed = closure.tensors()", "    closed = []",
+        "tensorflow", ["test_tensorflow.py::test_a_tensor_the_call_reads_as_an_attribute_gets_its_gradient",
+                       "test_tensorflow.py::test_a_tensor_a_decorated_function_closes_over_gets_its_gradient"],
+    ),
+    Mutant(
         "jax_forward_mode_not_seen", "a JVP through a recomputed call is taken as reverse mode (JAX's custom_vjp error)",
         "keras_recompute/backends/jax.py",
         "    return isinstance(_jax_private_core.find_top_trace(values), _jax_ad.JVPTrace)", "    return False",
@@ -369,6 +376,7 @@ QUICK = (
     "torch_check_compares_nothing", "decorating_twice_recomputes_twice", "environment_variable_ignored",
     "budget_ignores_transients", "budget_trusts_its_quanta", "verify_passes_everything",
     "tf1_recompute_reads_weights_again", "tf1_gradient_not_ours", "tf_forward_mode_recomputes",
+    "tf_closed_over_tensor_not_an_input",
 )
 
 

@@ -196,9 +196,12 @@ def forward_accumulator_active():
 
 try:
     from tensorflow.python import pywrap_tfe as _pywrap_tfe
+except ImportError:  # pragma: no cover - before TensorFlow 2.2: used from 2.4 only
+    _pywrap_tfe = None
+try:
     from tensorflow.python.framework import op_callbacks as _op_callbacks
-except ImportError:  # pragma: no cover - TensorFlow 1.x: used on the TF2 path only
-    _pywrap_tfe = _op_callbacks = None
+except ImportError:  # pragma: no cover - TensorFlow 2.0 has none (1.15 has the module, not the callbacks)
+    _op_callbacks = None
 
 
 @contextlib.contextmanager
@@ -206,10 +209,10 @@ def ops_made(callback):
     """Within it, in this thread, `callback(op_type, inputs, outputs, graph)` is told of each op made or run.
 
     TensorFlow's op callbacks: every eager op, and each graph op made through
-    TensorFlow's op wrappers (a few made another way are not seen).
+    TensorFlow's op wrappers (a few made another way are not seen). TensorFlow
+    2.0 has no op callbacks: there `callback` is told nothing.
     """
-
-    if _op_callbacks is None:  # pragma: no cover - TensorFlow 1.x
+    if not hasattr(_op_callbacks, "add_op_callback"):  # pragma: no cover - TensorFlow 2.0 (and 1.x)
         yield
         return
 

@@ -244,3 +244,46 @@ def test_off_it_is_the_plain_layer():
         with recompute_scope(recompute):
             _gradients(model, x, y)
         assert Block.calls - before == calls, recompute
+
+
+@pytest.mark.skipif(tf.__version__.startswith("2.0"), reason="TensorFlow 2.0 has no op callbacks to see the tensor")
+@pytest.mark.parametrize("how", ["eager", "function"])
+def test_a_tensor_the_call_reads_as_an_attribute_gets_its_gradient(how):
+    """NOTE [ tensors a call closes over ]: a tensor set on the layer before its call, made from a variable."""
+
+    class Scaled(layers.Layer):
+        calls = 0
+
+        def __init__(self, **kwargs):
+            super(Scaled, self).__init__(**kwargs)
+            self.dense = layers.Dense(HIDDEN)
+
+        def call(self, inputs):
+            Scaled.calls += 1
+            return tf.tanh(self.dense(inputs) * self.scale)
+
+    class Recomputed(Scaled):
+        call = recompute_grad(Scaled.call)
+
+    x = tf.convert_to_tensor(_data()[0])
+    scale = tf.Variable(np.linspace(0.5, 1.5, HIDDEN).astype("float32"))
+
+    def gradients(layer):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            layer.scale = scale * 2.0
+            loss = tf.reduce_sum(tf.sin(layer(x)))
+        return tape.gradient(loss, [scale, x] + layer.trainable_weights)
+
+    plain, recomputed = Scaled(), Recomputed()
+    plain.scale = recomputed.scale = scale
+    plain(x), recomputed(x)
+    recomputed.set_weights(plain.get_weights())
+    run = (lambda f: f) if how == "eager" else tf.function
+    want = run(lambda: gradients(plain))()
+    calls = Scaled.calls
+    with recompute_scope(True):
+        got = run(lambda: gradients(recomputed))()
+    assert got[0] is not None, "the gradient of the tensor the call read was lost"
+    assert _normwise([g.numpy() for g in got], [g.numpy() for g in want]) <= 1e-6
+    assert Scaled.calls - calls == 2, "the forward and its recompute"
