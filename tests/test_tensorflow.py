@@ -285,6 +285,37 @@ def test_a_tensor_a_decorated_function_closes_over_gets_its_gradient(mode):
     assert len(calls) == 2, calls  # the forward and its recompute (traced once each in a graph)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_complex_inputs_and_outputs_are_differentiated(mode):
+    """A complex argument and a complex output (an FFT's) were taken for constants: the gradient None, no error."""
+    kernel = tf.Variable(tf.random.stateless_normal((8, 8), seed=[3, 4]))
+    x = tf.random.stateless_normal((3, 8), seed=[5, 6])
+    calls = []
+
+    def block(h, z):
+        calls.append(1)
+        spectrum = tf.signal.fft(tf.cast(tf.matmul(h, kernel), tf.complex64) * z)
+        return spectrum, tf.math.real(spectrum) * tf.math.imag(z)
+
+    def gradients(fn):
+        def step(h):
+            with tf.GradientTape() as tape:
+                tape.watch(h)
+                z = tf.complex(tf.tanh(h), 0.5 * h)
+                spectrum, product = fn(h, z)
+                loss = tf.reduce_sum(tf.abs(spectrum)) + tf.reduce_sum(tf.sin(product))
+            return tape.gradient(loss, [h, kernel])
+
+        return compile_mode(step, mode)(x)
+
+    expected = gradients(block)
+    calls.clear()
+    with recompute_scope(True):
+        actual = gradients(recompute_grad(block))
+    assert_close(actual, expected, what="gradients")
+    assert len(calls) == 2, calls  # the forward and its recompute
+
+
 @pytest.mark.parametrize("dtype", [tf.float16, tf.bfloat16])
 @pytest.mark.parametrize("mode", MODES)
 def test_low_precision_inputs_are_differentiated(dtype, mode):

@@ -219,7 +219,8 @@ def _as_read_here(tensor):
 
 
 def _is_differentiable(value):
-    return isinstance(value, tf.Tensor) and value.dtype.is_floating
+    """A float or complex tensor (a complex one, an FFT's, was taken for a constant: its gradient lost)."""
+    return isinstance(value, tf.Tensor) and (value.dtype.is_floating or value.dtype.is_complex)
 
 
 def recompute_call(fn, args, kwargs, context, check=True, policy="full", offload=False):
@@ -1166,7 +1167,8 @@ def _waiter(upstream):
     gradient = upstream[0]
     if gradient.dtype == tf.bool:  # a forward's first tensor may be a mask (Embedding(mask_zero=True))
         gradient = tf.cast(gradient, tf.int8)
-    element = tf.reduce_max(tf.reshape(gradient, [-1])[:1])
+    first = tf.reshape(gradient, [-1])[:1]
+    element = tf.reduce_max(tf.abs(first) if first.dtype.is_complex else first)
     # False only for a NaN gradient; no optimizer can fold it to a constant.
     finite = tf.equal(element, element)
     float_zero = tf.where(finite, 0.0, float("nan"))

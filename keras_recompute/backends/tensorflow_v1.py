@@ -136,7 +136,7 @@ def _read_from_outside(graph, first, last, inputs):
             # A handle is a source wherever it was made: Keras 2.3's graph on TF 2.x
             # captures a variable's handle when the forward first reads it.
             handle = tensor.dtype == tf.resource and not tensor.op.inputs
-            if handle or (tensor.dtype.is_floating and tensor.op._id <= first):
+            if handle or (_is_differentiable(tensor) and tensor.op._id <= first):
                 known.add(id(tensor))
                 found.append(tensor)
     return found
