@@ -196,13 +196,14 @@ class _ClosedOver:
         if eager:
             self._found = [t for t in candidates.values() if tracked_by_a_tape(t)]
         elif candidates:
-            # A capture of an argument from outside the function (an eager tensor passed in) is that argument.
             external = {id(internal): outside for outside, internal in getattr(graph, "captures", ())}
-            self._found = [
-                t
-                for key, t in candidates.items()
-                if (t.op._id <= first or (key in captured and key in external)) and id(external.get(key)) not in given
-            ]
+
+            def outside(key, tensor):
+                if key in external:  # a capture: of an argument passed in from outside, that argument
+                    return id(external[key]) not in given and (tensor.op._id <= first or key in captured)
+                return tensor.op._id <= first
+
+            self._found = [tensor for key, tensor in candidates.items() if outside(key, tensor)]
 
     def tensors(self):
         return list(self._found)
@@ -347,7 +348,7 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full", offload
 
     added_losses = [losses[index] for losses, index in added]
 
-    def checkpointed(*given):
+    def checkpointed(*_):  # the inputs: the forward ran already
         tell_variable_watchers(read_variables)  # what the forward read, as if read here
         return _Head.differentiated(heads) + added_losses, grad
 
