@@ -237,11 +237,15 @@ class _NoWatcher:
         return ()
 
 
+# Read once: a recomputed call asks for them on every call.
+_VARIABLE_WATCHER = None if LEGACY else getattr(_record, "VariableWatcher", None)
+_SHOULD_RECORD = getattr(_record, "should_record_backprop", None) or getattr(_record, "should_record", None)
+
+
 def watching_variables():
     """A context whose `watched_variables()` lists the trainable variables read within it (TensorFlow's own
     `VariableWatcher`, which `tf.custom_gradient` asks); before TensorFlow 2.4, none."""
-    watcher = getattr(_record, "VariableWatcher", None)
-    return _NoWatcher() if LEGACY or watcher is None else watcher()
+    return _NoWatcher() if _VARIABLE_WATCHER is None else _VARIABLE_WATCHER()
 
 
 def tell_variable_watchers(variables):
@@ -255,8 +259,7 @@ def tell_variable_watchers(variables):
 
 def tracked_by_a_tape(tensor):
     """Whether a tape recording now would record an op on `tensor`: its gradient is asked for."""
-    should_record = getattr(_record, "should_record_backprop", None) or _record.should_record
-    return should_record([tensor])
+    return _SHOULD_RECORD([tensor])
 
 
 def tape_active():

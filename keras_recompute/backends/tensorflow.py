@@ -271,7 +271,8 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full", offload
     masks = _KeptMasks() if _policy.keeps_dropout_masks(policy) and _keras3.is_layer(owner) else None
     reads = _ForwardReads(context.trains)
     # In a graph, as the custom gradient takes them: an eager tensor passed in, captured.
-    inputs = [leaves[i] if tf.executing_eagerly() else tf.convert_to_tensor(leaves[i]) for i in positions]
+    eager = tf.executing_eagerly()
+    inputs = [leaves[i] if eager else tf.convert_to_tensor(leaves[i]) for i in positions]
     closure = _ClosedOver(leaves + inputs)
     loss_counts = [len(losses) for losses in loss_lists]
     # The forward runs before the custom gradient is made, so that the tensors it
