@@ -143,6 +143,30 @@ def _backward_in_another_thread():
         torch.autograd.backward, torch.autograd.grad = originals["backward"], originals["grad"]
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "in_children: the test's work runs in child processes (`_fresh.run`), which the torch-gpu-like run's backward "
+        "thread does not reach: that run skips it, the torch run has run it as it would",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    """The torch-gpu-like run on a CPU skips `in_children` tests: their children run PyTorch's own backward, as the
+    torch run's do, so they repeated that run's (about 35 s of the suite). On a GPU they run: there a child is the
+    device's."""
+    if os.environ.get("KERAS_RECOMPUTE_TESTS_BACKWARD_THREAD") != "1" or os.environ["KERAS_BACKEND"] != "torch":
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="its children are the torch run's: the backward thread is this process's only")
+    for item in items:
+        if item.get_closest_marker("in_children"):
+            item.add_marker(skip)
+
+
 def pytest_runtest_logreport(report):
     """With KERAS_RECOMPUTE_TESTS_FAILURES=path, each failure's traceback is appended there as it happens.
 

@@ -72,6 +72,7 @@ def _quick_start():
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
+@pytest.mark.in_children
 def test_the_quick_start_runs_as_written(tmp_path):
     """The README's quick start, unedited, in a fresh process on this backend."""
     pytest.importorskip("keras_hub")

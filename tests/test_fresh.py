@@ -9,6 +9,7 @@ import pytest
 import _fresh
 
 BACKEND = keras.backend.backend()
+pytestmark = pytest.mark.in_children  # every test's work is a child's
 
 _FIRST_OP = {
     # Nothing made at import: the eager context (its threads settable), the allocator (BFC, read now), the device.

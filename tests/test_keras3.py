@@ -467,6 +467,7 @@ def _child_peak(method, rows):
     return float(done.stdout.split()[-1])
 
 
+@pytest.mark.in_children
 def test_memory_falls():
     """A 12-block stack, one `train_on_batch` each: activation memory falls at least 3x,
     with each block's `call` decorated (`ours`) and with `recompute_model` on the plain model.
