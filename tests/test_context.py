@@ -321,10 +321,10 @@ def test_quantized_block_with_and_without_lora(mode, lora, monkeypatch):
     holder(x)
     # Keras collects the garbage when a layer drops a variable (the float kernel here): a whole collection of the
     # suite's process, 4-8 s a case late in TensorFlow's run, for nothing this test reads.
-    monkeypatch.setattr(gc, "collect", lambda *args: 0)
-    for dense in (holder.block.up, holder.block.down):
-        dense.quantize("int8")
-    monkeypatch.undo()
+    with monkeypatch.context() as patch:
+        patch.setattr(gc, "collect", lambda *args: 0)
+        for dense in (holder.block.up, holder.block.down):
+            dense.quantize("int8")
     if lora:
         holder.block.trainable = False
         for dense in (holder.block.up, holder.block.down):
