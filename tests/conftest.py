@@ -89,6 +89,10 @@ if sys.version_info >= (3, 8):
     collect_ignore.append("legacy")
 
 
+# PyTorch's run with each backward in a thread of its own (the fixture below; the torch-gpu-like run).
+_BACKWARD_THREAD = os.environ.get("KERAS_RECOMPUTE_TESTS_BACKWARD_THREAD") == "1" and os.environ["KERAS_BACKEND"] == "torch"
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _backward_in_another_thread():
     """KERAS_RECOMPUTE_TESTS_BACKWARD_THREAD=1 (PyTorch): every backward runs in a thread of its own, as
@@ -96,7 +100,7 @@ def _backward_in_another_thread():
 
     As autograd's device thread, it has the caller's torch state (its dispatch modes, which the op
     counting tests use) and not the caller's Python state (context variables, thread locals)."""
-    if os.environ.get("KERAS_RECOMPUTE_TESTS_BACKWARD_THREAD") != "1" or os.environ["KERAS_BACKEND"] != "torch":
+    if not _BACKWARD_THREAD:
         yield
         return
     import threading
@@ -155,7 +159,7 @@ def pytest_collection_modifyitems(config, items):
     """The torch-gpu-like run on a CPU skips `in_children` tests: their children run PyTorch's own backward, as the
     torch run's do, so they repeated that run's (about 35 s of the suite). On a GPU they run: there a child is the
     device's."""
-    if os.environ.get("KERAS_RECOMPUTE_TESTS_BACKWARD_THREAD") != "1" or os.environ["KERAS_BACKEND"] != "torch":
+    if not _BACKWARD_THREAD:
         return
     import torch
 
