@@ -594,6 +594,83 @@ def segment(functional, nodes, input_ids, output_ids, name):
     return _SEGMENT[0](functional, nodes, input_ids, output_ids, name=name)
 
 
+# NOTE [ a functional graph's values until their last use ]
+# Keras's `Function._run_through_graph` keeps every value it computes in one
+# map until the whole graph has run. Where the autograd graph keeps a value
+# anyway that costs nothing; where only that map does, the value stays on the
+# device for the rest of the forward. That defeats `offload=True` on
+# PyTorch: each recomputed block's input, copied to host memory by the
+# checkpoint's hooks, stayed on the device too, the previous block's output
+# in the map (an H200, 96 blocks x 256 at batch 512, mixed_bfloat16: 9058 MiB
+# against full's 9702, where memory_report predicted 3971; on the CPU every
+# earlier block's input was alive at each block's forward). So, once a
+# PyTorch call with `offload=True` is decorated or runs, Keras's functional
+# graphs run through `_run_releasing`: the same nodes in the same order, each
+# value dropped after the last node that reads it (the graph's outputs kept).
+# Values are unchanged; only when they leave the device is. `install_pieces`
+# releases a piece's values so too.
+
+
+def _last_reads(reads_by_step, kept):
+    """`{step index: [ids whose last reader it is]}` over steps that read ids, leaving out `kept`."""
+    last = {}
+    for index, reads in enumerate(reads_by_step):
+        for i in reads:
+            last[i] = index
+    released = {}
+    for i, index in last.items():
+        if i not in kept:
+            released.setdefault(index, []).append(i)
+    return released
+
+
+def _run_releasing(functional, inputs, operation_fn):
+    """Keras's `_run_through_graph` without `call_fn`, each value dropped after its last reader."""
+    from keras import tree
+
+    nodes = graph_nodes(functional)
+    released = _last_reads([node_inputs for _, node_inputs, _, _ in nodes], {id(x) for x in functional.outputs})
+    computed = dict(zip([id(x) for x in functional.inputs], tree.flatten(inputs)))
+    del inputs
+    for index, (operation, node_inputs, node_outputs, node) in enumerate(nodes):
+        if all(i in computed for i in node_inputs):  # else not computable: Keras skips it
+            args, kwargs = node.arguments.fill_in(computed)
+            outputs = operation_fn(operation)(*args, **kwargs)
+            del args, kwargs
+            computed.update(zip(node_outputs, tree.flatten(outputs)))
+            del outputs
+        for i in released.get(index, ()):
+            computed.pop(i, None)
+    missing = [index for index, x in enumerate(functional.outputs) if id(x) not in computed]
+    if missing:
+        path = ".".join(str(p) for p in tree.flatten_with_path(functional._outputs_struct)[missing[0]][0])
+        raise ValueError(f"Output with path `{path}` is not connected to `inputs`")
+    return tree.pack_sequence_as(functional._outputs_struct, [computed[id(x)] for x in functional.outputs])
+
+
+_RELEASING = []  # Keras's own `Function._run_through_graph`, once replaced
+
+
+def release_graph_values():
+    """On PyTorch, makes Keras's functional graphs drop each value after its last reader, once a process
+    (NOTE [ a functional graph's values until their last use ])."""
+    keras = sys.modules.get("keras")
+    config = getattr(keras, "config", None)  # None before Keras is imported, and on Keras 2
+    if _RELEASING or config is None or not hasattr(config, "backend") or config.backend() != "torch":
+        return
+    from keras.src.ops.function import Function
+
+    original = Function._run_through_graph
+
+    def _run_through_graph(self, inputs, operation_fn=lambda op: op, call_fn=None):
+        if call_fn is not None:  # Keras's symbolic runs
+            return original(self, inputs, operation_fn, call_fn)
+        return _run_releasing(self, inputs, operation_fn)
+
+    _RELEASING.append(original)
+    Function._run_through_graph = _run_through_graph
+
+
 def install_pieces(functional, pieces, active):
     """Makes `functional` run its graph as `pieces`: `(run, input ids, output ids)` each.
 
@@ -606,15 +683,18 @@ def install_pieces(functional, pieces, active):
     original = type(functional)._run_through_graph.__get__(functional)
     input_ids = [id(x) for x in functional.inputs]
     output_ids = [id(x) for x in functional.outputs]
+    released = _last_reads([piece_inputs for _, piece_inputs, _ in pieces], set(output_ids))
 
     def run_through_graph(inputs, operation_fn=lambda op: op, call_fn=None):
         if call_fn is not None or not active():
             return original(inputs, operation_fn, call_fn)
         computed = dict(zip(input_ids, tree.flatten(inputs)))
-        for run, piece_inputs, piece_outputs in pieces:
+        for index, (run, piece_inputs, piece_outputs) in enumerate(pieces):
             if any(i not in computed for i in piece_inputs):
                 return original(inputs, operation_fn, call_fn)  # a graph Keras runs partly
             computed.update(zip(piece_outputs, run(*[computed[i] for i in piece_inputs], operation_fn=operation_fn)))
+            for i in released.get(index, ()):  # NOTE [ a functional graph's values until their last use ]
+                del computed[i]
         return tree.pack_sequence_as(functional._outputs_struct, [computed[i] for i in output_ids])
 
     functional._run_through_graph = run_through_graph
