@@ -256,26 +256,51 @@ def test_torch_offload_leaves_no_earlier_units_input_on_the_device(build, monkey
     assert len(packed) >= 4 and alive_at_each == [0] * len(alive_at_each), alive_at_each
 
 
-def test_a_graph_that_releases_its_values_computes_what_keras_computes():
-    """`_run_releasing`, the functional graph runner that drops each value after its last reader: a value read again
-    after others (a skip over two blocks), a layer called twice, an intermediate that is also an output."""
-    from keras_recompute.backends import _keras3
-
-    keras.utils.set_random_seed(0)
+def _skips_and_a_shared_layer():
     inputs = keras.Input((8, 16))
     shared = keras.layers.Dense(16, name="shared")
     first = shared(inputs)
     second = keras.layers.Dense(16, activation="gelu")(first)
-    third = shared(second)
-    joined = keras.layers.Add()([first, third, inputs])
-    model = keras.Model(inputs, [keras.layers.Dense(3)(joined), second])
-    x = keras.ops.convert_to_tensor(BATCH[:2, :8])
-    keras_own = _keras3._RELEASING[0] if _keras3._RELEASING else type(model)._run_through_graph  # ours on torch once offloaded
-    expected = keras_own(model, x)
-    for run in (_keras3._run_releasing(model, x, lambda op: op), model(x)):
-        assert len(run) == 2
-        for got, want in zip(run, expected):
-            np.testing.assert_array_equal(keras.ops.convert_to_numpy(got), keras.ops.convert_to_numpy(want))
+    joined = keras.layers.Add()([first, shared(second), inputs])
+    return keras.Model(inputs, [keras.layers.Dense(3)(joined), second]), BATCH[:2, :8]
+
+
+def _masks_dicts_and_a_nested_model():
+    ids, side = keras.Input((6,), dtype="int32", name="ids"), keras.Input((6, 4), name="side")
+    embedded = keras.layers.Embedding(20, 8, mask_zero=True)(ids)
+    attended = keras.layers.MultiHeadAttention(2, 4)(embedded, embedded)  # its mask from the embedding's
+    pooled = keras.layers.GlobalAveragePooling1D()(keras.layers.Concatenate()([attended, side]))
+    inner = keras.Input((12,))
+    head = keras.Model(inner, keras.layers.Dense(3)(inner))
+    model = keras.Model({"ids": ids, "side": side}, {"out": head(pooled), "pooled": pooled})
+    x = {"ids": np.array([[1, 2, 3, 0, 0, 0], [4, 5, 0, 0, 0, 0]], "int32"), "side": BATCH[:2, :6, :4]}
+    return model, x
+
+
+@pytest.mark.parametrize("build", [_skips_and_a_shared_layer, _masks_dicts_and_a_nested_model], ids=["skips", "masks"])
+def test_a_graph_that_releases_its_values_computes_what_keras_computes(build, monkeypatch):
+    """`_run_releasing`, the functional graph runner that drops each value after its last reader, against Keras's
+    own, each model called whole in training: a value read again after others (a skip over two layers), a layer
+    called twice, an intermediate that is also an output; masks carried from an embedding, dict inputs and outputs,
+    a model inside the model."""
+    from keras.src.ops.function import Function
+
+    from keras_recompute.backends import _keras3
+
+    keras_own = _keras3._RELEASING[0] if _keras3._RELEASING else Function._run_through_graph  # ours once offloaded
+
+    def releasing(self, inputs, operation_fn=lambda op: op, call_fn=None):
+        if call_fn is not None:
+            return keras_own(self, inputs, operation_fn, call_fn)
+        return _keras3._run_releasing(self, inputs, operation_fn)
+
+    keras.utils.set_random_seed(0)
+    model, x = build()
+    outputs = {}
+    for name, run in (("keras", keras_own), ("released", releasing)):
+        monkeypatch.setattr(Function, "_run_through_graph", run)
+        outputs[name] = keras.tree.map_structure(keras.ops.convert_to_numpy, model(x, training=True))
+    keras.tree.map_structure(np.testing.assert_array_equal, outputs["released"], outputs["keras"])
 
 
 def _offloads_in_a_step(model, monkeypatch):
