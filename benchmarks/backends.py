@@ -56,8 +56,10 @@ METHODS = ("none", "ours", "save_dots", "attention_core", "offload", "remat", "r
 # JAX only, not run by default: the policy with its backward waiting by adding zeros, as on the CPU, where a GPU
 # waits at a barrier (NOTE [ how the recompute waits on JAX ]): the two ways timed in one run.
 ADDS = ("save_dots_adds", "attention_core_adds")
+# Not run by default: save_dots without the recompute check (check=False), what the check costs (host_overhead.py).
+UNCHECKED = ("save_dots_unchecked",)
 POLICIES = {"ours": "full", "save_dots": "save_dots", "attention_core": "attention_core", "offload": "full",
-            "save_dots_adds": "save_dots", "attention_core_adds": "attention_core"}
+            "save_dots_adds": "save_dots", "attention_core_adds": "attention_core", "save_dots_unchecked": "save_dots"}
 
 
 def parse_args(argv=None):
@@ -75,7 +77,7 @@ def parse_args(argv=None):
     parser.add_argument("--dtype", choices=("float32", "mixed_bfloat16", "mixed_float16"), default="float32")
     parser.add_argument("--steps", type=int, default=5, help="timed steps")
     parser.add_argument("--repeat", type=int, default=1, help="timed runs of every method, in turns (median and range)")
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS + ADDS)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS + ADDS + UNCHECKED)
     parser.add_argument("--budget-gib", type=float, help="also find the largest batch that fits")
     parser.add_argument("--profile", action="store_true", help="PyTorch: one more step under torch's profiler, its time by op kind")
     parser.add_argument("--predict", action="store_true",
@@ -125,7 +127,9 @@ def build_model(args, method):
             return inputs + self.positions
 
     class OursBlock(EncoderBlock):
-        call = recompute_grad(EncoderBlock.call, policy=POLICIES.get(method, "full"), offload=method == "offload")
+        call = recompute_grad(
+            EncoderBlock.call, policy=POLICIES.get(method, "full"), offload=method == "offload", check=method not in UNCHECKED
+        )
 
     class RematBlock(EncoderBlock):
         def call(self, inputs, training=None):
