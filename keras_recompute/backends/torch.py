@@ -176,7 +176,7 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full", offload
             return forward, _Contexts(replay, recompute)
         return _Contexts(tape.recording(), forward), _Contexts(replay, recompute, _Fresh(tape.replaying))
 
-    if offload:  # a model built before its layers were decorated (NOTE [ a functional graph's values until their last use ])
+    if offload:  # decorated before Keras was imported (NOTE [ a functional graph's values until their last use ])
         _keras3.release_graph_values()
     offloading = _offloaded(context.name) if offload else contextlib.nullcontext()
     # The checkpoint saves the call's inputs under the hooks active when it is
