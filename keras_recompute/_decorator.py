@@ -149,7 +149,9 @@ def recompute_grad(fn=None, *, enabled=None, check=True, policy="full", offload=
         return call(run, args, kwargs, context, check=check, policy=policy)
 
     if offload:  # NOTE [ a functional graph's values until their last use ] in `backends/_keras3`
-        importlib.import_module("keras_recompute.backends._keras3").release_graph_values()
+        from keras_recompute.backends import _keras3
+
+        _keras3.release_graph_values()
     if signature is not None:
         # tf_keras reads a call's arguments with getfullargspec, which ignores
         # __wrapped__ but honours __signature__.

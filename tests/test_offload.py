@@ -288,12 +288,7 @@ def test_a_graph_that_releases_its_values_computes_what_keras_computes(build, mo
     from keras_recompute.backends import _keras3
 
     keras_own = _keras3._RELEASING[0] if _keras3._RELEASING else Function._run_through_graph  # ours once offloaded
-
-    def releasing(self, inputs, operation_fn=lambda op: op, call_fn=None):
-        if call_fn is not None:
-            return keras_own(self, inputs, operation_fn, call_fn)
-        return _keras3._run_releasing(self, inputs, operation_fn)
-
+    releasing = _keras3.releasing_runner(keras_own)
     keras.utils.set_random_seed(0)
     model, x = build()
     outputs = {}

@@ -660,15 +660,19 @@ def release_graph_values():
         return
     from keras.src.ops.function import Function
 
-    original = Function._run_through_graph
+    _RELEASING.append(Function._run_through_graph)
+    Function._run_through_graph = releasing_runner(Function._run_through_graph)
+
+
+def releasing_runner(original):
+    """A `Function._run_through_graph` that runs `_run_releasing`, and Keras's `original` for symbolic runs."""
 
     def _run_through_graph(self, inputs, operation_fn=lambda op: op, call_fn=None):
         if call_fn is not None:  # Keras's symbolic runs
             return original(self, inputs, operation_fn, call_fn)
         return _run_releasing(self, inputs, operation_fn)
 
-    _RELEASING.append(original)
-    Function._run_through_graph = _run_through_graph
+    return _run_through_graph
 
 
 def install_pieces(functional, pieces, active):
