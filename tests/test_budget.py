@@ -466,7 +466,10 @@ def test_measuring_a_large_batch_holds_less_than_the_step_it_plans():
         records[how] = json.loads(done.stdout.strip().splitlines()[-1])
     whole, below = records["whole"], records["below"]
     assert whole["measuring"] > 1.1 * whole["step"], records  # the failure this avoids
-    assert below["measuring"] < 0.85 * below["step"], records
+    # The allocator's peaks move by 10-20% from one process to the next (a step 69-93 MB, measuring below 49-62 MB
+    # on two machines); so: under the step (what a device sized to it needs) and well under measuring whole.
+    assert below["measuring"] < below["step"], records
+    assert below["measuring"] < 0.75 * whole["measuring"], records
     assert abs(below["predicted"] - whole["predicted"]) <= 0.01 * whole["predicted"], records
 
 
