@@ -351,6 +351,13 @@ MUTANTS = [
                        "test_tensorflow.py::test_a_tensor_a_decorated_function_closes_over_gets_its_gradient"],
     ),
     Mutant(
+        "tf_op_callbacks_off_for_every_thread", "a thread leaving its recompute switches TensorFlow's eager slow-path "
+        "op callbacks off for every thread (another replica's closed-over tensor unseen: NOTE [ op callbacks in threads ])",
+        "keras_recompute/backends/_tf_private.py", "            _remove_op_callback(seen)",
+        "            _op_callbacks.remove_op_callback(seen)",
+        "tensorflow", ["test_tensorflow.py::test_a_tensor_closed_over_is_seen_while_another_thread_leaves_its_recompute"],
+    ),
+    Mutant(
         "jax_forward_mode_not_seen", "a JVP through a recomputed call is taken as reverse mode (JAX's custom_vjp error)",
         "keras_recompute/backends/jax.py",
         "    return isinstance(_jax_private_core.find_top_trace(values), _jax_ad.JVPTrace)", "    return False",

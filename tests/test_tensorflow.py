@@ -5,6 +5,8 @@ an undecorated twin holding the same weights, in eager mode, in `tf.function`
 and in `tf.function(jit_compile=True)`.
 """
 
+import threading
+
 import numpy as np
 import pytest
 tf = pytest.importorskip("tensorflow")  # absent on a JAX or PyTorch GPU machine: the file skips
@@ -283,6 +285,51 @@ def test_a_tensor_a_decorated_function_closes_over_gets_its_gradient(mode):
     assert actual[0] is not None, "the gradient of the tensor closed over was lost"
     assert_close(actual, expected, what="gradients")
     assert len(calls) == 2, calls  # the forward and its recompute (traced once each in a graph)
+
+
+def test_a_tensor_closed_over_is_seen_while_another_thread_leaves_its_recompute():
+    """NOTE [ op callbacks in threads ]: TensorFlow's slow path for an eager op (an op wrapper's eager fallback) runs
+    op callbacks through a function switched for the whole process, and a thread leaving its op callbacks switched
+    it off for every thread: a MirroredStrategy's other replica, inside its recomputed call, stopped seeing the
+    tensors that such ops read, and the tensor the call closed over got no gradient."""
+    from tensorflow.python.eager import context, execute
+    from tensorflow.python.ops import gen_math_ops
+
+    from keras_recompute.backends import _tf_private
+
+    kernel = tf.Variable(tf.random.stateless_normal((4, 4), seed=[8, 8]))
+    scale = tf.Variable(tf.linspace(0.5, 1.5, 4))
+    x = tf.random.stateless_normal((3, 4), seed=[9, 9])
+    position, calls = {}, []
+
+    def another_replica_recomputes():
+        with _tf_private.ops_made(lambda *args: None):
+            pass
+
+    def block(h):
+        calls.append(1)
+        replica = threading.Thread(target=another_replica_recomputes)
+        replica.start()
+        replica.join()
+        # The only read of the tensor closed over: an op through its eager fallback (`execute.execute`).
+        scaled = gen_math_ops.mul_eager_fallback(tf.matmul(h, kernel), position["value"], name=None, ctx=context.context())
+        return tf.tanh(scaled)
+
+    def gradients(fn):
+        with tf.GradientTape() as tape:
+            position["value"] = scale * 2.0
+            loss = tf.reduce_sum(tf.sin(fn(x)))
+        return tape.gradient(loss, [scale, kernel])
+
+    expected = gradients(block)
+    calls.clear()
+    with recompute_scope(True):
+        actual = gradients(recompute_grad(block))
+    assert actual[0] is not None, "the gradient of the tensor closed over was lost"
+    assert_close(actual, expected, what="gradients")
+    assert len(calls) == 2, calls
+    # Switched back once no thread is inside (as TensorFlow leaves it: on while this thread has a callback).
+    assert execute.execute is (execute.execute_with_callbacks if context.context().op_callbacks else execute.quick_execute)
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -219,11 +219,46 @@ def ops_made(callback):
     def seen(op_type, inputs, attrs, outputs, op_name=None, graph=None):
         callback(op_type, inputs or (), outputs or (), graph)
 
-    _op_callbacks.add_op_callback(seen)
+    with _OPS_MADE_LOCK:
+        _OPS_MADE_ACTIVE[0] += 1
+        _op_callbacks.add_op_callback(seen)
     try:
         yield
     finally:
-        _op_callbacks.remove_op_callback(seen)
+        with _OPS_MADE_LOCK:
+            _OPS_MADE_ACTIVE[0] -= 1
+            _remove_op_callback(seen)
+
+
+# NOTE [ op callbacks in threads ]
+# TensorFlow keeps op callbacks per thread, but runs an eager op's slow path
+# (an op wrapper's "eager fallback", which calls `execute.execute`) through a
+# module function it switches for the whole process: `add_op_callback` sets
+# `execute_with_callbacks`, and `remove_op_callback` puts back `quick_execute`
+# once the calling thread has no callback left, whatever other threads hold.
+# A MirroredStrategy runs its replicas' eager steps in threads; one replica
+# leaving `ops_made` stopped the slow-path callbacks of another still inside
+# it, and a tensor its call closed over that only such an op read went
+# unseen: no gradient for what made it. (The fast path, most ops, runs each
+# thread's callbacks itself.) So the switch back waits until no thread is
+# inside `ops_made`; `execute_with_callbacks` runs only the calling thread's
+# callbacks, so leaving it on a little longer changes nothing else.
+_OPS_MADE_LOCK = threading.Lock()
+_OPS_MADE_ACTIVE = [0]  # threads inside `ops_made`, all of them
+
+
+def _remove_op_callback(callback):
+    """TensorFlow's `remove_op_callback`, `execute.execute` left switched while another thread is inside
+    `ops_made` (NOTE [ op callbacks in threads ])."""
+    from tensorflow.python.eager import context, execute
+
+    ctx = context.context()
+    if not hasattr(ctx, "remove_op_callback") or not hasattr(execute, "quick_execute"):  # pragma: no cover - other TFs
+        _op_callbacks.remove_op_callback(callback)
+        return
+    ctx.remove_op_callback(callback)
+    if not _OPS_MADE_ACTIVE[0] and ctx.executing_eagerly() and not ctx.op_callbacks:
+        execute.execute = execute.quick_execute
 
 
 class _NoWatcher:
