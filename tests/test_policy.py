@@ -192,6 +192,45 @@ def test_save_dots_modes_see_only_the_weight_matmuls_on_torch(monkeypatch):
     assert not ops & {"batched bmm", "_softmax", "bernoulli_", "native_dropout", "gelu", "native_layer_norm", "add"}, ops
 
 
+@pytest.mark.skipif(BACKEND != "torch", reason="PyTorch's autograd graph")
+def test_save_dots_checks_a_matmuls_inputs_but_not_a_weight_or_a_cast_of_one_on_torch():
+    """NOTE [ the recompute check under save_dots ]: the recompute fingerprints each kept matmul's operands but a
+    weight as stored, which it reads as the forward read it; under `mixed_bfloat16` Keras reads each kernel as a cast
+    of it, made again from the same weight, and its fingerprint was half the check's cost."""
+    import torch
+
+    from keras_recompute.backends import torch as torch_backend
+
+    weight = torch.nn.Parameter(torch.randn(4, 3))
+    frozen = torch.nn.Parameter(torch.randn(4, 3), requires_grad=False)
+    x = torch.randn(2, 4, requires_grad=True)
+    stored = [weight, weight.t(), weight.to(torch.bfloat16), weight.to(torch.bfloat16).t().reshape(3, 4)]
+    computed = [
+        x, x.to(torch.bfloat16).reshape(8),  # an input, and a cast of it: a leaf, not a weight
+        weight * 2.0, (weight + weight[:, :1]).to(torch.bfloat16),  # computed from a weight (a LoRA's sum)
+        frozen.to(torch.bfloat16),  # a frozen weight's cast leaves no graph: checked, as before
+    ]
+    assert [torch_backend._a_stored_weight(t) for t in stored] == [True] * len(stored)
+    assert [torch_backend._a_stored_weight(t) for t in computed] == [False] * len(computed)
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="PyTorch's recompute check")
+def test_save_dots_raises_on_other_inputs_of_a_kept_matmul_in_mixed_bfloat16_on_torch():
+    """The drift before a kept matmul (`tests/test_semantics_keras3.py`) is caught where each kernel is a cast."""
+    from keras_recompute import RecomputeError
+    from test_semantics_keras3 import DriftingBeforeAKeptMatmul, _drifting_gradients
+
+    before = keras.config.dtype_policy()
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    try:
+        layer = DriftingBeforeAKeptMatmul(name="drifting")
+        layer(X)
+        with pytest.raises(RecomputeError, match="weight matmul 1 .*differ from its forward"):
+            _drifting_gradients(layer, True)
+    finally:
+        keras.config.set_dtype_policy(before)
+
+
 class InPlaceBlock(layers.Layer):
     """Writes in place to a weight matmul's output (as keras-hub's Gemma scales its query: `q *= c`)."""
 

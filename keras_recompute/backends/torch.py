@@ -565,13 +565,36 @@ class _KeepingDots(TorchDispatchMode):
 
 def _matmul_operands(args):
     """The floating-point tensors among a matmul op's arguments (its operands, and `addmm`'s bias) that the
-    recompute computes again: not a weight as it is stored (a `Parameter`, or a view of one), which it reads as the
-    forward read it."""
-    return [
-        x for x in args
-        if isinstance(x, torch.Tensor) and x.is_floating_point()
-        and not isinstance(x, torch.nn.Parameter) and not isinstance(x._base, torch.nn.Parameter)
-    ]
+    recompute computes again: not a weight as it is stored, which it reads as the forward read it."""
+    return [x for x in args if isinstance(x, torch.Tensor) and x.is_floating_point() and not _a_stored_weight(x)]
+
+
+# Autograd's nodes of a cast and of a view: what lies between a weight and a matmul reading it under mixed precision.
+_CAST_OR_VIEW = frozenset({
+    "ToCopyBackward0", "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "AliasBackward0", "TBackward0",
+    "TransposeBackward0", "PermuteBackward0", "ExpandBackward0", "UnsqueezeBackward0", "SqueezeBackward0",
+    "SqueezeBackward1",
+})
+
+
+def _a_stored_weight(tensor):
+    """Whether `tensor` is a weight as it is stored (a `Parameter`, or a view of one), or a cast or view of one made
+    in this call: Keras's `mixed_bfloat16` reads each kernel as a cast of it, made again by the recompute from the
+    same `Parameter`. Such a tensor differs from the forward's only if the weight changed between the forward and
+    the backward, which is read so for every weight as stored; its fingerprint was half the check's cost under
+    `"save_dots"` (`benchmarks/host_overhead.py`). Found through autograd's graph: each node between it and the
+    weight a cast or a view of one input."""
+    if isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter):
+        return True
+    node = tensor.grad_fn
+    while node is not None and type(node).__name__ in _CAST_OR_VIEW:
+        inputs = [n for n, _ in node.next_functions if n is not None]
+        if len(inputs) != 1:
+            return False
+        node = inputs[0]
+        if type(node).__name__ == "AccumulateGrad":
+            return isinstance(node.variable, torch.nn.Parameter)
+    return False
 
 
 class _KeptDots(TorchDispatchMode):
