@@ -581,9 +581,9 @@ def _a_stored_weight(tensor):
     """Whether `tensor` is a weight as it is stored (a `Parameter`, or a view of one), or a cast or view of one made
     in this call: Keras's `mixed_bfloat16` reads each kernel as a cast of it, made again by the recompute from the
     same `Parameter`. Such a tensor differs from the forward's only if the weight changed between the forward and
-    the backward, which is read so for every weight as stored; its fingerprint was half the check's cost under
-    `"save_dots"` (`benchmarks/host_overhead.py`). Found through autograd's graph: each node between it and the
-    weight a cast or a view of one input."""
+    the backward, which is read so for every weight as stored; its fingerprints were half the check's ops under
+    `"save_dots"` in bfloat16 (`benchmarks/host_overhead.py`). Found through autograd's graph: each node between it
+    and the weight a cast or a view of one input."""
     if isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter):
         return True
     node = tensor.grad_fn
