@@ -24,15 +24,14 @@ def records():
 
     options = backends.parse_args(["--backend", "jax", "--blocks", str(BLOCKS), "--batch", str(BATCH), "--seq", str(SEQ),
                                    "--hidden", str(HIDDEN), "--heads", str(HEADS), "--ffn", str(FFN), "--vocab", "50"])
-    before = os.environ.get("RECOMPUTE")
-    try:
-        found = {}
-        for method in ("none", "ours", "save_dots", "attention_core"):
-            os.environ["RECOMPUTE"] = "0" if method == "none" else "1"
-            found[method] = kept.kept(options, method)
-    finally:
-        os.environ.pop("RECOMPUTE", None) if before is None else os.environ.__setitem__("RECOMPUTE", before)
-        keras.config.set_dtype_policy("float32")
+    policy, found = keras.config.dtype_policy(), {}
+    with pytest.MonkeyPatch.context() as patch:
+        try:
+            for method in ("none", "ours", "save_dots", "attention_core"):
+                patch.setenv("RECOMPUTE", "0" if method == "none" else "1")
+                found[method] = kept.kept(options, method)
+        finally:
+            keras.config.set_dtype_policy(policy)  # kept() sets the model's
     return found
 
 
