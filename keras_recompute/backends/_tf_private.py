@@ -202,6 +202,8 @@ try:
     from tensorflow.python.framework import op_callbacks as _op_callbacks
 except ImportError:  # pragma: no cover - TensorFlow 2.0 has none (1.15 has the module, not the callbacks)
     _op_callbacks = None
+# Whether `ops_made` sees ops: not on TensorFlow 2.0 (NOTE [ tensors closed over without op callbacks ]).
+OP_CALLBACKS = hasattr(_op_callbacks, "add_op_callback")
 
 
 @contextlib.contextmanager
@@ -212,7 +214,7 @@ def ops_made(callback):
     TensorFlow's op wrappers (a few made another way are not seen). TensorFlow
     2.0 has no op callbacks: there `callback` is told nothing.
     """
-    if not hasattr(_op_callbacks, "add_op_callback"):  # pragma: no cover - TensorFlow 2.0 (and 1.x)
+    if not OP_CALLBACKS:  # pragma: no cover - TensorFlow 2.0 (and 1.x)
         yield
         return
 
@@ -402,6 +404,7 @@ def _hook_reads():
 
 __all__ = [
     "LEGACY",
+    "OP_CALLBACKS",
     "TF_VERSION",
     "TESTED_VERSIONS",
     "custom_gradient",

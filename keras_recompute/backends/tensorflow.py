@@ -61,6 +61,7 @@ from keras_recompute._errors import RecomputeError, warn_runs_plain
 from keras_recompute.backends import _keras2, _keras3, _tf_keras, _tf_keras_builtin
 from keras_recompute.backends._tf_private import (
     LEGACY,
+    OP_CALLBACKS,
     TF_VERSION,
     custom_gradient,
     forward_accumulator_active,
@@ -165,11 +166,26 @@ class _ClosedOver:
     whether a tape records it or not: the gradient of a `tf.function` may be
     taken by `tf.gradients`, which no tape sees. An argument that is also
     read as an attribute gets its gradient through the argument only.
+
+    NOTE [ tensors closed over without op callbacks ]
+    TensorFlow 2.0 has no op callbacks, and its own tf.keras runs a call in
+    eager mode or in a `tf.function` (Keras's `fit`) on this path: there a
+    tensor the call closed over got no gradient, silently. In a graph the
+    ops the forward made are read from the graph instead (every op with an
+    id above the graph's largest before it, in order: what the callbacks
+    would have told, and the ops made another way too). In eager mode
+    nothing lists the ops run, so the tensors the call can reach without
+    taking them are taken: those set as attributes of its layer and of the
+    layers in it, and those its function closes over (its closure's cells),
+    each kept only if a tape records it. One the call reaches another way (a
+    global, a list attribute) is not seen in eager mode there: pass it as an
+    argument.
     """
 
-    def __init__(self, leaves):
+    def __init__(self, leaves, owner=None, fn=None):
         self._given = {id(leaf) for leaf in leaves if isinstance(leaf, tf.Tensor)}
         self._found = []
+        self._owner, self._fn = owner, fn
 
     @contextlib.contextmanager
     def watching(self):
@@ -191,8 +207,20 @@ class _ClosedOver:
             else:
                 produced.update(id(t) for t in outputs)
 
-        with ops_made(seen):
+        if OP_CALLBACKS:
+            with ops_made(seen):
+                yield
+        else:  # pragma: no cover - TensorFlow 2.0: NOTE [ tensors closed over without op callbacks ]
             yield
+            if eager:
+                for tensor in _reachable_tensors(self._owner, self._fn):
+                    if id(tensor) not in given and _is_differentiable(tensor):
+                        candidates.setdefault(id(tensor), tensor)
+            else:
+                nodes = graph._nodes_by_id
+                for key in sorted(key for key in nodes if key > first):
+                    op = nodes[key]
+                    seen(op.type, list(op.inputs), list(op.outputs), graph)
         if eager:
             self._found = [t for t in candidates.values() if tracked_by_a_tape(t)]
         elif candidates:
@@ -207,6 +235,27 @@ class _ClosedOver:
 
     def tensors(self):
         return list(self._found)
+
+
+def _reachable_tensors(owner, fn):
+    """The tensors set as attributes of the layer `owner` and of the layers in it, and those `fn` closes over
+    (NOTE [ tensors closed over without op callbacks ])."""
+    found, layers, visited = [], [] if owner is None else [owner], set()
+    while layers:
+        layer = layers.pop()
+        if id(layer) in visited:
+            continue
+        visited.add(id(layer))
+        found.extend(value for value in vars(layer).values() if isinstance(value, tf.Tensor))
+        layers.extend(getattr(layer, "_layers", None) or ())
+    for cell in getattr(getattr(fn, "__func__", fn), "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(value, tf.Tensor):
+            found.append(value)
+    return found
 
 
 def _as_read_here(tensor):
@@ -273,7 +322,7 @@ def recompute_call(fn, args, kwargs, context, check=True, policy="full", offload
     # In a graph, as the custom gradient takes them: an eager tensor passed in, captured.
     eager = tf.executing_eagerly()
     inputs = [leaves[i] if eager else tf.convert_to_tensor(leaves[i]) for i in positions]
-    closure = _ClosedOver(leaves + inputs)
+    closure = _ClosedOver(leaves + inputs, owner, fn)
     loss_counts = [len(losses) for losses in loss_lists]
     # The forward runs before the custom gradient is made, so that the tensors it
     # closes over can be inputs of it (NOTE [ tensors a call closes over ]).

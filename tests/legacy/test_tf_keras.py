@@ -246,10 +246,10 @@ def test_off_it_is_the_plain_layer():
         assert Block.calls - before == calls, recompute
 
 
-@pytest.mark.skipif(tf.__version__.startswith("2.0"), reason="TensorFlow 2.0 has no op callbacks to see the tensor")
 @pytest.mark.parametrize("how", ["eager", "function"])
 def test_a_tensor_the_call_reads_as_an_attribute_gets_its_gradient(how):
-    """NOTE [ tensors a call closes over ]: a tensor set on the layer before its call, made from a variable."""
+    """NOTE [ tensors a call closes over ]: a tensor set on the layer before its call, made from a variable (on
+    TensorFlow 2.0, which has no op callbacks: NOTE [ tensors closed over without op callbacks ])."""
 
     class Scaled(layers.Layer):
         calls = 0
@@ -287,3 +287,34 @@ def test_a_tensor_the_call_reads_as_an_attribute_gets_its_gradient(how):
     assert got[0] is not None, "the gradient of the tensor the call read was lost"
     assert _normwise([g.numpy() for g in got], [g.numpy() for g in want]) <= 1e-6
     assert Scaled.calls - calls == 2, "the forward and its recompute"
+
+
+@pytest.mark.parametrize("how", ["eager", "function"])
+def test_a_tensor_a_decorated_function_closes_over_gets_its_gradient(how):
+    """NOTE [ tensors closed over without op callbacks ]: a tensor made from a trained variable, closed over by a
+    decorated function; its gradient is the plain function's, and the function runs twice."""
+    x = tf.convert_to_tensor(_data()[0])
+    scale = tf.Variable(np.linspace(0.5, 1.5, HIDDEN).astype("float32"))
+    kernel = tf.constant(np.random.RandomState(0).standard_normal((HIDDEN, HIDDEN)).astype("float32") / 4)
+    calls = []
+
+    def gradients(decorate):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            shift = scale * 2.0  # made under the tape, read by the function without being passed
+
+            def block(h):
+                calls.append(1)
+                return tf.tanh(tf.matmul(h, kernel) + shift)
+
+            loss = tf.reduce_sum(tf.sin((recompute_grad(block) if decorate else block)(x)))
+        return tape.gradient(loss, [scale, x])
+
+    run = (lambda f: f) if how == "eager" else tf.function
+    want = run(lambda: gradients(False))()
+    before = len(calls)
+    with recompute_scope(True):
+        got = run(lambda: gradients(True))()
+    assert got[0] is not None, "the gradient of the tensor the function closed over was lost"
+    assert _normwise([g.numpy() for g in got], [g.numpy() for g in want]) <= 1e-6
+    assert len(calls) - before == 2, "the forward and its recompute"
