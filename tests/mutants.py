@@ -45,7 +45,7 @@ ENVIRONMENTS = {
 }
 # The seed's environments (standalone Keras 2.3 on TensorFlow 1.15, a Python 3.7 virtual environment built by
 # `tests/legacy/run.py`), where a mutant's tests are named from the checkout's root, as that runner runs them.
-LEGACY = ("tf1.15-keras2.3",)
+LEGACY = ("tf1.15-keras2.3", "tf2.0-keras2.3")
 
 
 class Mutant:
@@ -315,6 +315,20 @@ MUTANTS = [
         "expected = _Expected(out_leaves, heads, keep_values=False)",
         "tf1.15-keras2.3", ["tests/legacy/test_keras2.py::test_the_recompute_is_checked"],
     ),
+    Mutant(
+        "tf20_closed_over_graph_not_read", "on TensorFlow 2.0 (no op callbacks) a tf.function's forward is not read "
+        "from its graph: a tensor the call closes over gets no gradient",
+        "keras_recompute/backends/tensorflow.py", "for key in sorted(key for key in nodes if key > first):",
+        "for key in ():",
+        "tf2.0-keras2.3", ["tests/legacy/test_tf_keras.py::test_a_tensor_a_decorated_function_closes_over_gets_its_gradient"],
+    ),
+    Mutant(
+        "tf20_closure_cells_not_taken", "on TensorFlow 2.0 in eager mode the tensors a decorated function closes over "
+        "are not taken: their gradient is lost",
+        "keras_recompute/backends/tensorflow.py", "for cell in getattr(getattr(fn, \"__func__\", fn), \"__closure__\", None) or ():",
+        "for cell in ():",
+        "tf2.0-keras2.3", ["tests/legacy/test_tf_keras.py::test_a_tensor_a_decorated_function_closes_over_gets_its_gradient"],
+    ),
     # Planning and verify.
     Mutant(
         "budget_ignores_transients", "the solver leaves out what a unit holds while it recomputes",
@@ -383,7 +397,7 @@ QUICK = (
     "torch_check_compares_nothing", "decorating_twice_recomputes_twice", "environment_variable_ignored",
     "budget_ignores_transients", "budget_trusts_its_quanta", "verify_passes_everything",
     "tf1_recompute_reads_weights_again", "tf1_gradient_not_ours", "tf_forward_mode_recomputes",
-    "tf_closed_over_tensor_not_an_input",
+    "tf_closed_over_tensor_not_an_input", "tf20_closed_over_graph_not_read",
 )
 
 
