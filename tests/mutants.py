@@ -43,8 +43,9 @@ ENVIRONMENTS = {
     "jax": {"KERAS_RECOMPUTE_TESTS_WITHOUT_TENSORFLOW": "1"},
     "torch": {},
 }
-# The seed's environments (standalone Keras 2.3 on TensorFlow 1.15, a Python 3.7 virtual environment built by
-# `tests/legacy/run.py`), where a mutant's tests are named from the checkout's root, as that runner runs them.
+# The seed's environments (standalone Keras 2.3 on TensorFlow 1.15, and TensorFlow 2.0 with its tf.keras: Python 3.7
+# virtual environments built by `tests/legacy/run.py`), where a mutant's tests are named from the checkout's root, as
+# that runner runs them.
 LEGACY = ("tf1.15-keras2.3", "tf2.0-keras2.3")
 
 
