@@ -240,14 +240,8 @@ class _ClosedOver:
 def _reachable_tensors(owner, fn):
     """The tensors set as attributes of the layer `owner` and of the layers in it, and those `fn` closes over
     (NOTE [ tensors closed over without op callbacks ])."""
-    found, layers, visited = [], [] if owner is None else [owner], set()
-    while layers:
-        layer = layers.pop()
-        if id(layer) in visited:
-            continue
-        visited.add(id(layer))
-        found.extend(value for value in vars(layer).values() if isinstance(value, tf.Tensor))
-        layers.extend(getattr(layer, "_layers", None) or ())
+    layers = [] if owner is None else [owner, *_context.sublayers(owner)]
+    found = [value for layer in layers for value in vars(layer).values() if isinstance(value, tf.Tensor)]
     for cell in getattr(getattr(fn, "__func__", fn), "__closure__", None) or ():
         try:
             value = cell.cell_contents
