@@ -326,9 +326,23 @@ MUTANTS = [
     Mutant(
         "tf20_closure_cells_not_taken", "on TensorFlow 2.0 in eager mode the tensors a decorated function closes over "
         "are not taken: their gradient is lost",
-        "keras_recompute/backends/tensorflow.py", "for cell in getattr(getattr(fn, \"__func__\", fn), \"__closure__\", None) or ():",
+        "keras_recompute/backends/tensorflow.py", "for cell in getattr(function, \"__closure__\", None) or ():",
         "for cell in ():",
         "tf2.0-keras2.3", ["tests/legacy/test_tf_keras.py::test_a_tensor_a_decorated_function_closes_over_gets_its_gradient"],
+    ),
+    Mutant(
+        "tf20_globals_not_taken", "on TensorFlow 2.0 in eager mode the globals a decorated function reads are not "
+        "taken: a training script's module-level tensor gets no gradient",
+        "keras_recompute/backends/tensorflow.py", "namespace = getattr(function, \"__globals__\", None) or {}",
+        "namespace = {}",
+        "tf2.0-keras2.3", ["tests/legacy/test_tf_keras.py::test_a_tensor_read_as_a_global_or_from_a_list_attribute_gets_its_gradient"],
+    ),
+    Mutant(
+        "tf20_lists_not_searched", "on TensorFlow 2.0 in eager mode a tensor in a list set on the layer is not taken: "
+        "its gradient is lost",
+        "keras_recompute/backends/tensorflow.py", "if isinstance(value, (list, tuple, dict, collections.abc.Mapping)):",
+        "if False:",
+        "tf2.0-keras2.3", ["tests/legacy/test_tf_keras.py::test_a_tensor_read_as_a_global_or_from_a_list_attribute_gets_its_gradient"],
     ),
     # Planning and verify.
     Mutant(

@@ -49,6 +49,7 @@ traced inside an accumulator keeps the plain call when called outside it
 (TensorFlow does not trace it again).
 """
 
+import collections.abc
 import contextlib
 import functools
 import os
@@ -177,9 +178,11 @@ class _ClosedOver:
     nothing lists the ops run, so the tensors the call can reach without
     taking them are taken: those set as attributes of its layer and of the
     layers in it, and those its function closes over (its closure's cells),
-    each kept only if a tape records it. One the call reaches another way (a
-    global, a list attribute) is not seen in eager mode there: pass it as an
-    argument.
+    and the globals its code names (a training script's module-level
+    tensor), each alone or in a list, tuple or dict, and each kept only if a
+    tape records it. One the call reaches another way (an attribute of an
+    object that is not a layer, a module's attribute) is not seen in eager
+    mode there: pass it as an argument.
     """
 
     def __init__(self, leaves, owner=None, fn=None):
@@ -238,18 +241,43 @@ class _ClosedOver:
 
 
 def _reachable_tensors(owner, fn):
-    """The tensors set as attributes of the layer `owner` and of the layers in it, and those `fn` closes over
-    (NOTE [ tensors closed over without op callbacks ])."""
+    """The tensors the call can reach without taking them: set as attributes of the layer `owner` and of the layers
+    in it, closed over by `fn`, or globals its code names; each alone or in a list, tuple or dict (NOTE [ tensors
+    closed over without op callbacks ])."""
     layers = [] if owner is None else [owner, *_context.sublayers(owner)]
-    found = [value for layer in layers for value in vars(layer).values() if isinstance(value, tf.Tensor)]
-    for cell in getattr(getattr(fn, "__func__", fn), "__closure__", None) or ():
+    values = [value for layer in layers for value in vars(layer).values()]
+    function = getattr(fn, "__func__", fn)
+    for cell in getattr(function, "__closure__", None) or ():
         try:
-            value = cell.cell_contents
+            values.append(cell.cell_contents)
         except ValueError:  # an empty cell
             continue
-        if isinstance(value, tf.Tensor):
-            found.append(value)
-    return found
+    namespace = getattr(function, "__globals__", None) or {}
+    values += [namespace[name] for name in _names_read(getattr(function, "__code__", None)) if name in namespace]
+    return [tensor for value in values for tensor in _tensors_in(value)]
+
+
+def _names_read(code):
+    """The global names `code` and the functions defined in it (a comprehension's, a lambda's) may read."""
+    if code is None:
+        return set()
+    names = set(code.co_names)
+    for constant in code.co_consts:
+        if hasattr(constant, "co_names"):
+            names |= _names_read(constant)
+    return names
+
+
+def _tensors_in(value):
+    """The tensors of `value`: itself, or those in it where it is a list, tuple or dict (Keras's tracked ones too)."""
+    if isinstance(value, tf.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple, dict, collections.abc.Mapping)):
+        try:
+            return [leaf for leaf in tf.nest.flatten(value) if isinstance(leaf, tf.Tensor)]
+        except (TypeError, ValueError):  # a structure nest cannot take apart (keys that do not sort)
+            return []
+    return []
 
 
 def _as_read_here(tensor):

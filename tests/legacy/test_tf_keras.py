@@ -318,3 +318,67 @@ def test_a_tensor_a_decorated_function_closes_over_gets_its_gradient(how):
     assert got[0] is not None, "the gradient of the tensor the function closed over was lost"
     assert _normwise([g.numpy() for g in got], [g.numpy() for g in want]) <= 1e-6
     assert len(calls) - before == 2, "the forward and its recompute"
+
+
+# Read by `_global_block` as a global (a training script's module-level tensor): set in each test's tape, by
+# `_set_shift` (TensorFlow 2.0's autograph runs a nested function's `global` statement in a copy of its globals).
+_SHIFT = None
+
+
+def _set_shift(value):
+    global _SHIFT
+    _SHIFT = value
+
+
+def _global_block(h):
+    _global_block.calls += 1
+    return tf.tanh(h * 0.5 + _SHIFT)
+
+
+_global_block.calls = 0
+
+
+@pytest.mark.parametrize("how", ["eager", "function"])
+@pytest.mark.parametrize("where", ["global", "list attribute"])
+def test_a_tensor_read_as_a_global_or_from_a_list_attribute_gets_its_gradient(where, how):
+    """NOTE [ tensors closed over without op callbacks ]: a tensor made from a trained variable under the tape,
+    read by a decorated function as a global of its module, or by a layer's call from a list set on the layer
+    (Keras tracks it as its own list); its gradient is the plain one's, and the forward runs twice."""
+
+    class Listed(layers.Layer):
+        def call(self, inputs):
+            Listed.calls += 1
+            return tf.tanh(inputs * 0.5 + self.shifts[0])
+
+    Listed.calls = 0
+
+    class Recomputed(Listed):
+        call = recompute_grad(Listed.call)
+
+    x = tf.convert_to_tensor(_data()[0])
+    scale = tf.Variable(np.linspace(0.5, 1.5, HIDDEN).astype("float32"))
+    plain, recomputed = Listed(), Recomputed()
+
+    def gradients(decorate):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            shift = scale * 2.0
+            if where == "global":
+                _set_shift(shift)
+                outputs = (recompute_grad(_global_block) if decorate else _global_block)(x)
+            else:
+                layer = recomputed if decorate else plain
+                layer.shifts = [shift]
+                outputs = layer(x)
+            loss = tf.reduce_sum(tf.sin(outputs))
+        return tape.gradient(loss, [scale, x])
+
+    run = (lambda f: f) if how == "eager" else tf.function
+    want = run(lambda: gradients(False))()
+    counter = _global_block if where == "global" else Listed
+    before = counter.calls
+    with recompute_scope(True):
+        got = run(lambda: gradients(True))()
+    assert got[0] is not None, "the gradient of the tensor the call read was lost"
+    assert _normwise([g.numpy() for g in got], [g.numpy() for g in want]) <= 1e-6
+    assert counter.calls - before == 2, "the forward and its recompute"
