@@ -148,11 +148,13 @@ class MemoryReport:
         return f"<MemoryReport {len(self.rows)} units, predicted peak {_budget.format_bytes(self.predicted_peak)}>"
 
 
-def report(model, units, inputs, current, execution=None, offload=False):
+def report(model, units, inputs, current, execution=None, offload=False, step_key=None):
     """The `MemoryReport` of `units` of `model` at `inputs`; `current[i]` is unit i's policy now.
 
     `execution`: `"eager"`, `"compiled"`, or None to infer it (`execution_of`).
     `offload`: whether the recomputed units keep their inputs in host memory.
+    `step_key`: where the step as the model stands is a plan's, that plan's key (NOTE [ each plan's step compiled
+    once ] in `_model`), else None.
     """
     execution, reason = execution_of(model, execution, "memory_report")
     measured, seconds = costs(model, units, inputs, execution)
@@ -170,7 +172,7 @@ def report(model, units, inputs, current, execution=None, offload=False):
             }
         )
     plain = measured.peak([_budget.NONE] * len(units))
-    predicted, where = compiled_peak(model, inputs, measured, execution), ""
+    predicted, where = compiled_peak(model, inputs, measured, execution, step_key), ""
     if predicted is None:
         predicted, point = measured.peak_point(current)
         where = measured.point_text(point)
@@ -340,16 +342,22 @@ def resident_unmeasured(model, inputs):
     return resident_bytes(model, inputs) if getattr(model, "built", False) and model.variables else 0
 
 
-def compiled_peak(model, inputs, measured, execution=COMPILED):
+def compiled_peak(model, inputs, measured, execution=COMPILED, key=None):
     """The peak of a step of `model` as it stands, where a compiler states it (JAX) or its step is run for the
     allocator's figures (a CNN on TensorFlow: `states_compiled_peak`), else None.
 
-    NOTE [ checking a plan on JAX ] in `backends/jax.py`. None for an eager step.
+    NOTE [ checking a plan on JAX ] in `backends/jax.py`. None for an eager step. `key`: what the step's program
+    depends on, its bytes kept on the model under it (NOTE [ each plan's step compiled once ] in `_model`).
     """
     if not states_compiled_peak(model, execution):
         return None
     resident = measured.resident if measured is not None else resident_bytes(model, inputs)
-    return resident + _measuring_backend(model).step_bytes(model, inputs)  # the optimizer's update is in the step
+    step = remembered(model, key) if key is not None else None
+    if step is None:
+        step = _measuring_backend(model).step_bytes(model, inputs)  # the optimizer's update is in the step
+        if key is not None:
+            remember(model, key, step)
+    return resident + step
 
 
 def costs(model, units, inputs, execution=COMPILED, below=True):
@@ -467,13 +475,47 @@ def _in_proportion(fitted, half, scale):
 def cache_key(model, units, inputs, execution):
     """What the costs of `units` depend on besides the model's values: the units, the inputs' shapes, the
     execution, which layers inside the units recompute now by their own decorators (a unit's "none" is measured
-    with them, NOTE [ units that hold decorated layers ] in `_model`), and which weights train (a unit no gradient
-    reaches keeps nothing: NOTE [ a unit no gradient reaches ]; unfrozen, it is measured again)."""
+    with them, NOTE [ units that hold decorated layers ] in `_model`), which weights train (a unit no gradient
+    reaches keeps nothing: NOTE [ a unit no gradient reaches ]; unfrozen, it is measured again), the optimizer
+    (its slots and update: `optimizer_key`), and which other layers recompute now (`recomputing_elsewhere`)."""
     from keras_recompute._decorator import decorated_inside
 
     inside = tuple(tuple(decorated_inside(unit)) for unit in units)
     trained = tuple(id(variable) for variable in model.trainable_variables)
-    return (tuple(id(unit) for unit in units), _signature(inputs), execution, inside, trained)
+    return (
+        tuple(id(unit) for unit in units), _signature(inputs), execution, inside, trained, optimizer_key(model),
+        recomputing_elsewhere(model, units),
+    )
+
+
+def recomputing_elsewhere(model, units):
+    """`((position, (policy, offload)), ...)`: the layers of `model` other than `units` that recompute now (a plan's
+    or a decorator's), by their position among its layers. The units' own calls are each option's as it is measured;
+    another layer's recompute is in what the step holds outside them (and in a unit's "none", inside it). Until
+    2026-12-05 it was not part of the key: a report over `blocks=["block_0"]` of two blocks, after `recompute_model`
+    set `block_1` to recompute, kept the report's figures from before (1.54 MB on TensorFlow, where a model made so
+    holds 0.96)."""
+    from keras_recompute._decorator import decorated_policy
+
+    own = {id(unit) for unit in units}
+    found = [(position, decorated_policy(getattr(layer, "call", None)))
+             for position, layer in enumerate(_context.sublayers(model)) if id(layer) not in own]
+    return tuple((position, options) for position, options in found if options is not None)
+
+
+def optimizer_key(model):
+    """What the resident bytes and the update depend on in `model`'s optimizer: its class and configuration, and
+    which it is. A model compiled again with another optimizer is measured again: until 2026-12-05 a report after
+    `compile(optimizer="sgd")` on a model reported with Adam kept Adam's slots (142.0 kB resident, where SGD's model
+    holds 69.3), and the other way a plan would have left out the slots it needed."""
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None:
+        return None
+    try:
+        config = repr(sorted(optimizer.get_config().items()))
+    except Exception:  # noqa: BLE001 - an optimizer whose configuration cannot be read: its class and identity
+        config = None
+    return (type(optimizer).__module__, type(optimizer).__qualname__, id(optimizer), config)
 
 
 def remembered(model, key):
@@ -483,7 +525,8 @@ def remembered(model, key):
 
 
 def remember(model, key, value):
-    """Keeps `value` on `model` under `key` (the last `_Cached.KEPT` of them: `largest_fit` measures several sizes)."""
+    """Keeps `value` on `model` under `key` (the last `_Cached.KEPT` of them: `largest_fit` measures several sizes,
+    and each plan's step compiled is kept: NOTE [ each plan's step compiled once ] in `_model`)."""
     cache = model.__dict__.get(_COSTS)
     if cache is None:
         cache = _Cached()
@@ -519,7 +562,7 @@ def _backend_name(model):
 class _Cached:
     """Not a dict or list: Keras's saving walks a model's attributes (see `_model._Plan`)."""
 
-    KEPT = 16
+    KEPT = 64
 
     def __init__(self):
         self.entries = {}

@@ -253,7 +253,10 @@ def memory_report(model, inputs, *, blocks="auto", execution=None, offload=None)
         current = [
             applied.get(_memory.unit_name(u)) or decorated.get(_memory.unit_name(u), (_budget.NONE,))[0] for u in units
         ]
-        result = _memory.report(model, units, inputs, current, execution, offload)
+        result = _memory.report(model, units, inputs, current, execution, offload, _as_it_stands(
+            model, units, inputs, current, execution, plan.offload if applied else offload,
+            pieces is None and all(_runs_as_planned(unit, applied) for unit in units),
+        ))
         if _memory.states_compiled_peak(model, result.execution):
             result.plain_peak, result.floor = _compiled_bounds(model, units, inputs, result, offload)
     result.inner = _inner_line(inner)
@@ -265,6 +268,25 @@ def memory_report(model, inputs, *, blocks="auto", execution=None, offload=None)
             f"{'with enabled=True' if plan.enabled is False else 'with RECOMPUTE=1 or inside recompute_scope(True)'}"
         )
     return result
+
+
+def _as_it_stands(model, units, inputs, current, execution, offload, a_plan):
+    """The key of the step as `model` stands where it is the plan `current` (`a_plan`: its units are layers, each
+    running its own call or a plan's wrapper of it), else None (NOTE [ each plan's step compiled once ])."""
+    if not a_plan:
+        return None
+    execution, _ = _memory.execution_of(model, execution, "memory_report")
+    return _compiled_key(model, units, current, inputs, execution, offload)
+
+
+def _runs_as_planned(unit, applied):
+    """Whether layer `unit` runs its own call, or a plan's wrapper (`applied`) of a call that does not recompute
+    itself: as `_compiled_peak_of` runs it under the unit's policy."""
+    if decorated_policy(unit.call) is None:
+        return True  # its own call, or a wrapper that is off now
+    if _memory.unit_name(unit) not in applied:
+        return False  # a decorator's, under its own options
+    return decorated_policy(getattr(unit.call, "__wrapped__", None)) is None
 
 
 def _inner_line(inner):
@@ -839,12 +861,36 @@ def _compiled_peak_of(model, units, policies, inputs, costs, execution, offload=
     full's batch: three of tests/test_fit.py's blocks in 200 MiB, 121 where 47 fits;
     tests/test_fit.py::test_a_planned_model_is_answered_as_a_plain_one).
     """
+    if not _memory.states_compiled_peak(model, execution):
+        return None
+    key = _compiled_key(model, units, policies, inputs, execution, offload)
     with contextlib.ExitStack() as stack:
-        for unit, policy in zip(units, policies):
-            base = _undecorated(unit.call)
-            call = base if policy == _budget.NONE else recompute_grad(base, enabled=True, policy=policy, offload=offload)
-            stack.enter_context(_patch.instance_attribute(unit, "call", call))
-        return _memory.compiled_peak(model, inputs, costs, execution)
+        if _memory.remembered(model, key) is None:  # else its step's bytes are known: nothing is compiled
+            for unit, policy in zip(units, policies):
+                base = _undecorated(unit.call)
+                call = base if policy == _budget.NONE else recompute_grad(base, enabled=True, policy=policy, offload=offload)
+                stack.enter_context(_patch.instance_attribute(unit, "call", call))
+        return _memory.compiled_peak(model, inputs, costs, execution, key)
+
+
+# NOTE [ each plan's step compiled once ]
+# Where a compiler states a step's peak (JAX), planning and reporting compile
+# whole steps: each uniform plan to calibrate the units, the solver's plan to
+# check it, the step as the model stands for the report. Compiling was most of
+# their time (`memory_report` of tests/test_budget.py's four blocks on a 2-core
+# CPU: 13.4 of 20.6 s in 11 XLA compiles, 2026-12-05), and the same step was
+# compiled again: the report compiled the model as it stood and then the same
+# plan among the uniform ones; a report after `recompute_model(budget=)`
+# compiled the plan the planner had compiled. So a step's peak is kept on the
+# model (`_memory.remember`) under what its program depends on: the costs'
+# key (`_memory.cache_key`: the units, the inputs' shapes, the execution, which
+# weights train, the optimizer, which other layers recompute now and how),
+# each unit's policy, and offload; and the report's step as the model stands
+# is taken as that plan's where it is one (`_as_it_stands`).
+def _compiled_key(model, units, policies, inputs, execution, offload):
+    """What a step compiled with `policies[i]` on unit i holds depends on (NOTE [ each plan's step compiled once ])."""
+    moved = bool(offload) and any(policy != _budget.NONE for policy in policies)
+    return ("compiled peak", _memory.cache_key(model, units, inputs, execution), tuple(policies), moved)
 
 
 def _calibrated(model, units, inputs, costs, execution, offload=False):
@@ -884,7 +930,7 @@ def _calibrated(model, units, inputs, costs, execution, offload=False):
     backend = _memory._measuring_backend(model)
     if hasattr(backend, "update_bytes") and costs.update:  # XLA fuses the update (NOTE [ the compiler's update ])
         # The same at every size: compiled once per trained set (about 1 s for BERT-base), not once per size.
-        update_key = ("compiled update", tuple(id(v) for v in model.trainable_variables), id(model.optimizer))
+        update_key = ("compiled update", tuple(id(v) for v in model.trainable_variables), _memory.optimizer_key(model))
         update = _memory.remembered(model, update_key)
         if update is None:
             update = _memory.remember(model, update_key, backend.update_bytes(model))

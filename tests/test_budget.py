@@ -610,6 +610,55 @@ def test_the_report_names_units_that_hold_decorated_layers():
     assert on.inner in str(on) and off.inner == ""
 
 
+def test_a_model_changed_around_its_units_is_measured_again():
+    """What was measured is kept on the model under what it depends on (`_memory.cache_key`). Until 2026-12-05 that
+    left out the layers outside the units and the optimizer: a report over one block, after `recompute_model` set
+    the other to recompute, kept the figures from before (on TensorFlow 1.54 MB where a model made so holds 0.96),
+    and a model compiled again with SGD kept Adam's slots. Now each is measured again, as a model made so is."""
+    x = X[:4]  # measured as it is (NOTE [ measuring below the batch ]): the suite's time
+    model = blocks_model(2)
+    before = memory_report(model, x, blocks=["block_0"])
+    recompute_model(model, blocks=["block_1"], enabled=True)
+    after = memory_report(model, x, blocks=["block_0"])
+    made_so = blocks_model(2)
+    recompute_model(made_so, blocks=["block_1"], enabled=True)
+    expected = memory_report(made_so, x, blocks=["block_0"]).predicted_peak
+    assert after.predicted_peak == pytest.approx(expected, rel=0.01)
+    assert abs(before.predicted_peak - expected) > 0.02 * expected, (before.predicted_peak, expected)
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    sgd = memory_report(model, x, blocks=["block_0"])
+    assert sgd.resident == _memory.resident_bytes(model, x) < after.resident
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="a compiler's figure of the step: JAX's")
+def test_each_plans_step_is_compiled_once(monkeypatch):
+    """NOTE [ each plan's step compiled once ]: a report compiles each plan's step once (the model as it stands,
+    plain, is no recompute's step), and planning to the report's floor and reporting again compile nothing more:
+    they compiled 6, 3 and 2 steps until 2026-12-05. The figures are the steps' own."""
+    from keras_recompute._decorator import decorated_policy
+    from keras_recompute.backends import jax as backend
+
+    model = blocks_model(2)
+    compiled, step_bytes = [], backend.step_bytes
+
+    def counted(model, inputs):
+        policies = tuple((decorated_policy(model.get_layer(f"block_{i}").call) or ("none",))[0] for i in range(2))
+        compiled.append(policies)
+        return step_bytes(model, inputs)
+
+    monkeypatch.setattr(backend, "step_bytes", counted)
+    report = memory_report(model, X)
+    assert len(compiled) == len(set(compiled)) and ("none", "none") in compiled, compiled
+    first = list(compiled)
+    recompute_model(model, budget=report.floor, inputs=X, enabled=True)
+    again = memory_report(model, X)
+    assert compiled == first, compiled
+    assert again.predicted_peak <= report.floor
+    monkeypatch.setattr(backend, "step_bytes", step_bytes)
+    as_it_stands = _memory.compiled_peak(model, X, None)  # compiled here, not kept
+    assert again.predicted_peak == as_it_stands
+
+
 def test_the_report_of_a_plan_the_switch_keeps_off_says_so():
     """RECOMPUTE unset: the rows are the plain model's, and a line names the plan and how to switch it on."""
     model = blocks_model()
