@@ -352,6 +352,12 @@ MUTANTS = [
         "tensorflow", ["test_budget_solver.py"],
     ),
     Mutant(
+        "measured_kept_past_a_change_around_the_units", "what a report measured is kept after a layer outside its "
+        "units starts recomputing: the plan is made from figures of another step",
+        "keras_recompute/_memory.py", "        recomputing_elsewhere(model, units),\n", "        (),\n",
+        "torch", ["test_budget.py::test_a_model_changed_around_its_units_is_measured_again"],
+    ),
+    Mutant(
         "budget_trusts_its_quanta", "the solver returns a plan without checking its peak against the budget",
         "keras_recompute/_budget.py", "if model.peak(list(choices)) <= budget:", "if True:",
         "tensorflow", ["test_budget_solver.py"],
