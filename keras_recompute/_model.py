@@ -670,11 +670,22 @@ def _remove_bert4keras_recompute():
 
 
 def _refuse_keras2(model, what):
+    """A `RecomputeError` for a model of standalone Keras 2 or of TensorFlow's own tf.keras before 2.4, where the
+    model-level functions do not run (TensorFlow 2.0-2.1 raised an `AttributeError` from deep inside until
+    2026-12-05): decorating the blocks' call does."""
     if _context._keras2_layer(model):  # imports TensorFlow only where it is loaded already
         raise RecomputeError(
             f"keras_recompute: {what} takes a Keras 3 or tf_keras model, not a standalone Keras 2 one "
             f"({type(model).__name__}). On Keras 2.3 decorate the blocks' call with recompute_grad, "
             "or call keras_recompute.integrations.bert4keras.enable() before building a bert4keras model."
+        )
+    if _context._builtin_layer(model):
+        from keras_recompute.backends._tf_private import require_modern
+
+        require_modern(
+            f"{what} (on a tf.keras model)",
+            "Decorate the blocks' call with recompute_grad and set RECOMPUTE=1, or call "
+            "keras_recompute.integrations.bert4keras.enable() before building a bert4keras model.",
         )
 
 

@@ -596,11 +596,7 @@ def children(layer):
 
 
 def _in_tf1_graph(model):
-    # TensorFlow 2.0's compat.v1 lacks `executing_eagerly_outside_functions`: recompute_model raised an
-    # AttributeError there until 2026-12-05 (tests/legacy/test_tf_keras.py::test_recompute_model_plans_a_functional_block).
-    from keras_recompute.backends._tf_private import tf_2_behavior
-
-    return not tf_2_behavior() and getattr(model, "_is_graph_network", False)
+    return not tf.compat.v1.executing_eagerly_outside_functions() and getattr(model, "_is_graph_network", False)
 
 
 def check_plannable(model):

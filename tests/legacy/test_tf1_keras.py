@@ -179,3 +179,18 @@ def test_ragged_and_sparse_arguments_and_outputs_are_recomputed_as_plain():
     # Both outputs come through the recompute: no gradient of the forward's own tanh (held for it).
     assert "SparseTensorDenseMatMul" in recomputing and "TanhGrad" in recomputing, recomputing
     assert "TanhGrad" not in [op.type for op in gradient if "IdentityN_grad" not in op.name]
+
+
+@pytest.mark.parametrize("what", ["recompute_model", "memory_report", "largest_fit", "verify"])
+def test_the_model_level_functions_say_what_to_use(what):
+    """As on TF 2.0-2.3's tf.keras (tests/legacy/test_tf_keras.py): each raises `RecomputeError` naming the version
+    and what works here."""
+    import keras_recompute
+    from keras_recompute import RecomputeError
+
+    plain, _ = _twins(blocks=2)
+    plain.compile("sgd", "mse")
+    x, y = _data()
+    arguments = {"recompute_model": (), "memory_report": (x,), "largest_fit": ("1GB", lambda n: x[:n]), "verify": (x, y)}
+    with pytest.raises(RecomputeError, match=what + r" \(on a tf.keras model\) needs TensorFlow 2.4.*Decorate the blocks' call"):
+        getattr(keras_recompute, what)(plain, *arguments[what])

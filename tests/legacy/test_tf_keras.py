@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 
 from _tf_keras_twins import HIDDEN, Block, data as _data, normwise as _normwise, twins
-from keras_recompute import RecomputeError, recompute_grad, recompute_model, recompute_scope
+from keras_recompute import RecomputeError, recompute_grad, recompute_scope
 
 pytestmark = pytest.mark.skipif(not tf.__version__.startswith(("2.0", "2.1", "2.2", "2.3")), reason="TF 2.0-2.3")
 
@@ -384,37 +384,16 @@ def test_a_tensor_read_as_a_global_or_from_a_list_attribute_gets_its_gradient(wh
     assert counter.calls - before == 2, "the forward and its recompute"
 
 
-@pytest.mark.parametrize("how", ["eager", "function"])
-def test_recompute_model_plans_a_functional_block(how):
-    """`recompute_model` on TF 2.0-2.3's own tf.keras: a functional block inside a model recomputes (its layers run
-    twice a step) and every weight's and the input's gradient is the plain model's. On TensorFlow 2.0 it raised an
-    AttributeError (`tf.compat.v1.executing_eagerly_outside_functions`) until 2026-12-05."""
+@pytest.mark.parametrize("what", ["recompute_model", "memory_report", "largest_fit", "verify"])
+def test_the_model_level_functions_say_what_to_use(what):
+    """On TensorFlow's own tf.keras before 2.4 the functions that plan or check a whole model do not run: each
+    raises `RecomputeError` naming the version and what works there (decorating the blocks' call). On TensorFlow
+    2.0 and 2.1 they raised an `AttributeError` from deep inside until 2026-12-05."""
+    import keras_recompute
 
-    class Counted(layers.Dense):
-        calls = 0
-
-        def call(self, inputs):
-            Counted.calls += 1
-            return super(Counted, self).call(inputs)
-
-    tf.random.set_seed(0)
-    inner_inputs = tf.keras.Input((HIDDEN,))
-    hidden = Counted(HIDDEN, activation="tanh")(inner_inputs)
-    inner = tf.keras.Model(inner_inputs, layers.Dense(HIDDEN, activation="tanh")(hidden), name="inner")
-    inputs = tf.keras.Input((HIDDEN,))
-    model = tf.keras.Model(inputs, layers.Dense(1)(inner(layers.Dense(HIDDEN)(inputs))))
-    x, y = (tf.convert_to_tensor(value) for value in _data())
-
-    def gradients():
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            loss = tf.reduce_mean(tf.square(model(x, training=True) - y))
-        return tape.gradient(loss, [x] + model.trainable_weights)
-
-    run = (lambda f: f) if how == "eager" else tf.function
-    want = run(gradients)()
-    recompute_model(model, blocks=["inner"], enabled=True)
-    before = Counted.calls
-    got = run(gradients)()
-    assert Counted.calls - before == 2, "the block's forward and its recompute"
-    assert _normwise([g.numpy() for g in got], [g.numpy() for g in want]) <= 1e-6
+    plain, _ = _twins(blocks=2)
+    plain.compile("sgd", "mse")
+    x, y = _data()
+    arguments = {"recompute_model": (), "memory_report": (x,), "largest_fit": ("1GB", lambda n: x[:n]), "verify": (x, y)}
+    with pytest.raises(RecomputeError, match=what + r" \(on a tf.keras model\) needs TensorFlow 2.4.*Decorate the blocks' call"):
+        getattr(keras_recompute, what)(plain, *arguments[what])
