@@ -110,3 +110,18 @@ def normwise(got, want):
     got = np.concatenate([np.ravel(g) for g in got])
     want = np.concatenate([np.ravel(w) for w in want])
     return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
+# The functions that plan or check a whole model, which TensorFlow's own tf.keras before 2.4 does not run.
+MODEL_LEVEL = ("recompute_model", "memory_report", "largest_fit", "verify")
+
+
+def model_level_call(what):
+    """`(function, model, arguments)`: `what`, one of `MODEL_LEVEL`, with a compiled plain twin and what it takes."""
+    import keras_recompute
+
+    plain, _ = twins(blocks=2)
+    plain.compile("sgd", "mse")
+    x, y = data()
+    arguments = {"recompute_model": (), "memory_report": (x,), "largest_fit": ("1GB", lambda n: x[:n]), "verify": (x, y)}
+    return getattr(keras_recompute, what), plain, arguments[what]

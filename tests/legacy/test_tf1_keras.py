@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from _tf_keras_twins import HIDDEN, Block, data as _data, normwise as _normwise, twins as _twins
-from keras_recompute import recompute_grad, recompute_scope
+from _tf_keras_twins import HIDDEN, MODEL_LEVEL, Block, data as _data, model_level_call, normwise as _normwise, twins as _twins
+from keras_recompute import RecomputeError, recompute_grad, recompute_scope
 
 pytestmark = pytest.mark.skipif(not tf.__version__.startswith("1."), reason="TensorFlow 1.x")
 
@@ -181,16 +181,10 @@ def test_ragged_and_sparse_arguments_and_outputs_are_recomputed_as_plain():
     assert "TanhGrad" not in [op.type for op in gradient if "IdentityN_grad" not in op.name]
 
 
-@pytest.mark.parametrize("what", ["recompute_model", "memory_report", "largest_fit", "verify"])
+@pytest.mark.parametrize("what", MODEL_LEVEL)
 def test_the_model_level_functions_say_what_to_use(what):
     """As on TF 2.0-2.3's tf.keras (tests/legacy/test_tf_keras.py): each raises `RecomputeError` naming the version
     and what works here."""
-    import keras_recompute
-    from keras_recompute import RecomputeError
-
-    plain, _ = _twins(blocks=2)
-    plain.compile("sgd", "mse")
-    x, y = _data()
-    arguments = {"recompute_model": (), "memory_report": (x,), "largest_fit": ("1GB", lambda n: x[:n]), "verify": (x, y)}
+    function, plain, arguments = model_level_call(what)
     with pytest.raises(RecomputeError, match=what + r" \(on a tf.keras model\) needs TensorFlow 2.4.*Decorate the blocks' call"):
-        getattr(keras_recompute, what)(plain, *arguments[what])
+        function(plain, *arguments)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from _tf_keras_twins import HIDDEN, Block, data as _data, normwise as _normwise, twins
+from _tf_keras_twins import HIDDEN, MODEL_LEVEL, Block, data as _data, model_level_call, normwise as _normwise, twins
 from keras_recompute import RecomputeError, recompute_grad, recompute_scope
 
 pytestmark = pytest.mark.skipif(not tf.__version__.startswith(("2.0", "2.1", "2.2", "2.3")), reason="TF 2.0-2.3")
@@ -384,16 +384,11 @@ def test_a_tensor_read_as_a_global_or_from_a_list_attribute_gets_its_gradient(wh
     assert counter.calls - before == 2, "the forward and its recompute"
 
 
-@pytest.mark.parametrize("what", ["recompute_model", "memory_report", "largest_fit", "verify"])
+@pytest.mark.parametrize("what", MODEL_LEVEL)
 def test_the_model_level_functions_say_what_to_use(what):
     """On TensorFlow's own tf.keras before 2.4 the functions that plan or check a whole model do not run: each
     raises `RecomputeError` naming the version and what works there (decorating the blocks' call). On TensorFlow
     2.0 and 2.1 they raised an `AttributeError` from deep inside until 2026-12-05."""
-    import keras_recompute
-
-    plain, _ = _twins(blocks=2)
-    plain.compile("sgd", "mse")
-    x, y = _data()
-    arguments = {"recompute_model": (), "memory_report": (x,), "largest_fit": ("1GB", lambda n: x[:n]), "verify": (x, y)}
+    function, plain, arguments = model_level_call(what)
     with pytest.raises(RecomputeError, match=what + r" \(on a tf.keras model\) needs TensorFlow 2.4.*Decorate the blocks' call"):
-        getattr(keras_recompute, what)(plain, *arguments[what])
+        function(plain, *arguments)
