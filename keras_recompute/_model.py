@@ -253,10 +253,11 @@ def memory_report(model, inputs, *, blocks="auto", execution=None, offload=None)
         current = [
             applied.get(_memory.unit_name(u)) or decorated.get(_memory.unit_name(u), (_budget.NONE,))[0] for u in units
         ]
-        result = _memory.report(model, units, inputs, current, execution, offload, _as_it_stands(
-            model, units, inputs, current, execution, plan.offload if applied else offload,
-            pieces is None and all(_runs_as_planned(unit, applied) for unit in units),
-        ))
+        step_key = None  # the step as it stands, where it is the plan `current` (see _compiled_key)
+        if pieces is None and all(_runs_as_planned(unit, applied) for unit in units):
+            resolved, _ = _memory.execution_of(model, execution, "memory_report")
+            step_key = _compiled_key(model, units, current, inputs, resolved, plan.offload if applied else offload)
+        result = _memory.report(model, units, inputs, current, execution, offload, step_key)
         if _memory.states_compiled_peak(model, result.execution):
             result.plain_peak, result.floor = _compiled_bounds(model, units, inputs, result, offload)
     result.inner = _inner_line(inner)
@@ -268,15 +269,6 @@ def memory_report(model, inputs, *, blocks="auto", execution=None, offload=None)
             f"{'with enabled=True' if plan.enabled is False else 'with RECOMPUTE=1 or inside recompute_scope(True)'}"
         )
     return result
-
-
-def _as_it_stands(model, units, inputs, current, execution, offload, a_plan):
-    """The key of the step as `model` stands where it is the plan `current` (`a_plan`: its units are layers, each
-    running its own call or a plan's wrapper of it), else None (NOTE [ each plan's step compiled once ])."""
-    if not a_plan:
-        return None
-    execution, _ = _memory.execution_of(model, execution, "memory_report")
-    return _compiled_key(model, units, current, inputs, execution, offload)
 
 
 def _runs_as_planned(unit, applied):
@@ -897,7 +889,7 @@ def _compiled_peak_of(model, units, policies, inputs, costs, execution, offload=
 # key (`_memory.cache_key`: the units, the inputs' shapes, the execution, which
 # weights train, the optimizer, which other layers recompute now and how),
 # each unit's policy, and offload; and the report's step as the model stands
-# is taken as that plan's where it is one (`_as_it_stands`).
+# is taken as that plan's where it is one (`_runs_as_planned`).
 def _compiled_key(model, units, policies, inputs, execution, offload):
     """What a step compiled with `policies[i]` on unit i holds depends on (NOTE [ each plan's step compiled once ])."""
     moved = bool(offload) and any(policy != _budget.NONE for policy in policies)
