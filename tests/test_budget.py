@@ -363,6 +363,42 @@ def test_each_timed_step_waits_for_its_device(monkeypatch):
     assert timed and len(waits) >= _memory._REPEATS * sum(timed), (timed, len(waits))
 
 
+@pytest.mark.skipif(BACKEND != "jax", reason="XLA's cost analysis of the compiled step")
+def test_each_options_timed_step_runs_its_recompute(monkeypatch):
+    """NOTE [ measuring a unit on JAX ]: the step timed for an option runs what the option recomputes, by XLA's
+    count of the compiled step's floating-point operations. Timed on the gradient of the outputs' sum, XLA folded
+    the zero the recompute waits on and merged the recompute into the forward: "full" counted what "none" did."""
+    import jax
+
+    from keras_recompute import _patch
+    from keras_recompute.backends import jax as jax_backend
+
+    layer = AttentionBlock()
+    layer(X[:1])
+    jit, compiled = jax.jit, []
+
+    def recording(function, *args, **kwargs):
+        jitted = jit(function, *args, **kwargs)
+
+        def run(*arguments):
+            compiled.append(jitted.lower(*arguments).compile())
+            return jitted(*arguments)
+
+        return run
+
+    monkeypatch.setattr(jax, "jit", recording)
+    flops = {}
+    for option in ("none", "full", "save_dots", "attention_core"):
+        call = layer.call if option == "none" else recompute_grad(layer.call, enabled=True, policy=option)
+        with _patch.instance_attribute(layer, "call", call):
+            jax_backend.measure_unit(layer, (X,), {"training": True}, option)
+        analysis = compiled[-1].cost_analysis()
+        flops[option] = (analysis[0] if isinstance(analysis, list) else analysis)["flops"]
+    # A recompute runs the block's forward again (its matmuls a third more work than the plain step's), or part.
+    assert flops["full"] > 1.3 * flops["none"], flops
+    assert flops["full"] > flops["save_dots"] > flops["none"] and flops["attention_core"] > flops["none"], flops
+
+
 def test_measuring_changes_nothing_in_the_model():
     model = blocks_model()
     before = [np.array(keras.ops.convert_to_numpy(v.value)) for v in model.variables]

@@ -507,7 +507,15 @@ def _wait(tree, zero, floats=True, by="add"):
 # applied (ours keeps its arguments). Traced with `jax.make_jaxpr`, nothing
 # runs: the residuals that are not the function's own arguments (weights,
 # the call's inputs, which are held anyway) are what the unit keeps. The
-# jitted gradient of the stateless call is what `_memory` times.
+# jitted gradient of the stateless call is what `_memory` times, of half the
+# sum of the outputs' squares: the gradient of their sum is a constant, from
+# which XLA folds the zero a recompute waits on (NOTE [ recompute on JAX ]),
+# and then merges the recompute back into the forward. Timed so until
+# 2026-12-05, the step of "full" ran the floating-point operations of "none"
+# (10.36 M each for tests/test_budget.py's block, by XLA's cost analysis;
+# 15.37 M against 9.79 M now), every option's recompute measured 0 to 5 ms
+# of noise where "full" costs 34 ms (benchmarks/budget.py's block, a 2-core
+# CPU), and the planner chose among policies by that noise.
 
 
 def measure_unit(layer, args, kwargs, policy, timed=True, execution="compiled", differentiated=True):
@@ -550,8 +558,8 @@ def measure_unit(layer, args, kwargs, policy, timed=True, execution="compiled", 
     def residuals(trainable, differentiated):
         return jax.tree_util.tree_leaves(jax.vjp(outputs, trainable, differentiated)[1])
 
-    def loss(trainable, differentiated):
-        return sum(jnp.sum(o.astype(jnp.float32)) for o in outputs(trainable, differentiated))
+    def loss(trainable, differentiated):  # a gradient made from the outputs (NOTE [ measuring a unit on JAX ])
+        return sum(0.5 * jnp.sum(jnp.square(o.astype(jnp.float32))) for o in outputs(trainable, differentiated))
 
     differentiated = [leaves[p] for p in positions]
     closed = jax.make_jaxpr(residuals)(trainable, differentiated)
