@@ -358,6 +358,13 @@ MUTANTS = [
         "torch", ["test_budget.py::test_a_model_changed_around_its_units_is_measured_again"],
     ),
     Mutant(
+        "jax_unit_timed_on_a_sum", "each option's unit step on JAX is timed on the gradient of the outputs' sum, a "
+        "constant from which XLA folds the recompute's wait and merges the recompute into the forward",
+        "keras_recompute/backends/jax.py", "return sum(0.5 * jnp.sum(jnp.square(o.astype(jnp.float32))) for o in",
+        "return sum(jnp.sum(o.astype(jnp.float32)) for o in",
+        "jax", ["test_budget.py::test_each_options_timed_step_runs_its_recompute"],
+    ),
+    Mutant(
         "budget_trusts_its_quanta", "the solver returns a plan without checking its peak against the budget",
         "keras_recompute/_budget.py", "if model.peak(list(choices)) <= budget:", "if True:",
         "tensorflow", ["test_budget_solver.py"],
