@@ -17,7 +17,8 @@ written by the benchmark that measured it, with the command, device, dtype, date
 it. The expression is arithmetic (`+ - * /`, `min`, `max`, `abs`, `round`, `len`, `log`) over dotted
 paths into that JSON (`results.none.points["4"].step_peak_bytes`; a key that is not a name goes
 in brackets; `pick(results.rows, method="ours", mode="function")` is the one row of a list with
-those fields), and the constants `KB MB GB` (powers of 10) and `KiB MiB GiB` (powers of 2). A
+those fields; `column(results.rows, "step", label="full")` the list of that field in the rows with
+those), and the constants `KB MB GB` (powers of 10) and `KiB MiB GiB` (powers of 2). A
 range (`1.32-1.68x`, `1.10 to 1.15x`) takes an expression that gives two values, `a, b`.
 `<!--= : expression -->` uses the file named by the latest `<!-- source: file -->` above it in
 the same section (a heading ends it); `<!-- source: file prefix -->` also puts `prefix.` before
@@ -91,7 +92,17 @@ def pick(rows, **fields):
     return found[0]
 
 
+def column(rows, name, **fields):
+    """The values of field `name` in the rows of a list of dicts whose fields equal `fields`, at least one
+    (`min(column(results.rows, "step", label="full"))`)."""
+    found = [row[name] for row in rows if all(row.get(key) == wanted for key, wanted in fields.items()) and name in row]
+    if not found:
+        raise FigureError("no row has %s and %s" % (name, ", ".join("%s=%r" % item for item in fields.items())))
+    return found
+
+
 FUNCTIONS["pick"] = pick
+FUNCTIONS["column"] = column
 
 
 def evaluate(expression, data, prefix=None):
