@@ -86,7 +86,7 @@ def load(name):
 
 def pick(rows, **fields):
     """The one row of a list of dicts whose fields equal `fields` (`pick(results.rows, method="ours")`)."""
-    found = [row for row in rows if all(row.get(name) == wanted for name, wanted in fields.items())]
+    found = _matching(rows, fields)
     if len(found) != 1:
         raise FigureError("%d rows have %s" % (len(found), ", ".join("%s=%r" % item for item in fields.items())))
     return found[0]
@@ -95,10 +95,14 @@ def pick(rows, **fields):
 def column(rows, name, **fields):
     """The values of field `name` in the rows of a list of dicts whose fields equal `fields`, at least one
     (`min(column(results.rows, "step", label="full"))`)."""
-    found = [row[name] for row in rows if all(row.get(key) == wanted for key, wanted in fields.items()) and name in row]
+    found = [row[name] for row in _matching(rows, fields) if name in row]
     if not found:
         raise FigureError("no row has %s and %s" % (name, ", ".join("%s=%r" % item for item in fields.items())))
     return found
+
+
+def _matching(rows, fields):
+    return [row for row in rows if all(row.get(key) == wanted for key, wanted in fields.items())]
 
 
 FUNCTIONS["pick"] = pick
