@@ -365,6 +365,13 @@ MUTANTS = [
         "jax", ["test_budget.py::test_each_options_timed_step_runs_its_recompute"],
     ),
     Mutant(
+        "tf_unit_timed_on_a_sum", "each option's unit step on TensorFlow is timed on the gradient of the outputs' sum, "
+        "a constant from which Grappler folds the recompute's wait and merges part of the recompute into the forward",
+        "keras_recompute/backends/tensorflow.py", "            loss = scale * tf.add_n(sums)",
+        "            loss = tf.add_n(sums)",
+        "tensorflow", ["test_budget.py::test_each_options_timed_step_runs_its_recompute"],
+    ),
+    Mutant(
         "budget_trusts_its_quanta", "the solver returns a plan without checking its peak against the budget",
         "keras_recompute/_budget.py", "if model.peak(list(choices)) <= budget:", "if True:",
         "tensorflow", ["test_budget_solver.py"],

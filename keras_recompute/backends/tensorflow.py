@@ -1321,6 +1321,25 @@ def _waiter(upstream):
 # gradient keeps, which for `"save_dots"` and `"attention_core"` misses what
 # their unrecomputed parts keep eagerly. Set `TF_CPU_ALLOCATOR_USE_BFC=1` for
 # measured figures. The step timed is the eager one.
+#
+# NOTE [ timing a unit on TensorFlow ]
+# The traced step differentiates its outputs' sum times `scale`, a float
+# argument of the `tf.function` (1.0): the gradient flowing in is the sum's,
+# and Grappler cannot fold it. Of the sum alone the gradient is a constant of
+# ones; Grappler folded the zero a recompute waits on (`where(g == g, 0,
+# nan)`, NOTE [ ordering the recompute in graphs ]) and merged with the
+# forward every op of the recompute that then read what the forward's had
+# (here all before the attention's dropout, whose seeds the recompute reads
+# from its snapshot), as XLA did on JAX (NOTE [ measuring a unit on JAX ]).
+# Measured so until 2026-12-05 (TensorFlow's profiler, ops run by the step of
+# tests/test_budget.py's block): "full" ran 25 matrix products and softmaxes
+# against 20 for "none" (29 now: the projections, the scores and their softmax
+# ran once), "save_dots" 21 (23 now). On benchmarks/budget.py's block the
+# recompute's seconds were full 23.5 ms, save_dots 9.3, attention_core 7.3;
+# now 26.6, 13.1, 9.8 (one run each, a 2-core CPU). A model's loss reaches its
+# units through its head's weights, not as a constant; only a unit whose
+# outputs a step sums directly would be merged so (memory kept, the gradient
+# the same).
 _VIEWS = frozenset(("Identity", "IdentityN", "Reshape", "ExpandDims", "Squeeze", "StopGradient", "Snapshot"))
 
 
@@ -1363,7 +1382,7 @@ def measure_unit(layer, args, kwargs, policy, timed=True, execution="compiled", 
     variables = [_tf_variable(v) for v in layer.trainable_weights]
     forward_ops = {}
 
-    def step(*differentiated):
+    def step(scale, *differentiated):
         leaves = list(flat)
         for position, value in zip(positions, differentiated):
             leaves[position] = value
@@ -1372,13 +1391,15 @@ def measure_unit(layer, args, kwargs, policy, timed=True, execution="compiled", 
         with tf.GradientTape() as tape:
             tape.watch(differentiated)
             outputs = layer(*call_args, **call_kwargs)
-            loss = tf.add_n([tf.reduce_sum(tf.cast(o, tf.float32)) for o in _flatten(outputs) if _is_differentiable(o)])
+            # `scale` (1.0), an argument: a gradient Grappler cannot fold (NOTE [ timing a unit on TensorFlow ]).
+            sums = [tf.reduce_sum(tf.cast(o, tf.float32)) for o in _flatten(outputs) if _is_differentiable(o)]
+            loss = scale * tf.add_n(sums)
         forward_ops["count"] = len(tf.compat.v1.get_default_graph().get_operations())
         gradients = tape.gradient(loss, list(differentiated) + variables)
         return [g for g in gradients if g is not None]
 
     function = tf.function(step, autograph=False)
-    values = [flat[p] for p in positions]
+    values = [tf.constant(1.0)] + [flat[p] for p in positions]
     concrete = function.get_concrete_function(*values)
     operations = concrete.graph.get_operations()
     # An eager tape runs every gradient function whole; a graph runs what the gradients fetched need.
