@@ -20,7 +20,9 @@ than the longer of them. Nothing in the suite is timed, and each memory figure
 is measured in a child process of its own, so an overlapping run changes no
 result. The output of an overlapped run is printed whole when it ends. The exit
 status is non-zero when any run failed, and a summary at the end names each
-backend's result and time.
+backend's result and time. Each run prints its 15 slowest tests (pytest's
+`--durations`; another `--durations` after `--` overrides it): where a CI run's
+time goes, read from its log.
 """
 
 import argparse
@@ -62,7 +64,7 @@ def main(argv=None):
                 print(f"\n===== {backend} (KERAS_BACKEND={keras_backend} {shown}): started =====", flush=True)
                 log = None if streamed else tempfile.TemporaryFile(mode="w+")
                 process = subprocess.Popen(
-                    [sys.executable, "-m", "pytest", tests, "-q", *args.pytest_args],
+                    [sys.executable, "-m", "pytest", tests, "-q", "--durations=15", *args.pytest_args],
                     env=dict(os.environ, KERAS_BACKEND=keras_backend, **settings),
                     stdout=log,
                     stderr=subprocess.STDOUT if log else None,
