@@ -407,7 +407,12 @@ def checked_rows(rows, count, plan_at, peak_at, usable, limit=1 << 20, multiple_
     compiled (not run) until the largest one whose compiled peak fits is found.
     `peak_at` returns None where no compiler states the peak: the rows are
     then left as fitted. `count` units; for the plan, the choice at a size is
-    `plan_at(size)` (the planner's, or None).
+    `plan_at(size, ruled_out)` (the planner's, or None), `ruled_out` the
+    options whose rows were checked here and do not fit at that size: one
+    policy on every unit is a plan, and the planner falls back on the others
+    (those not asked for too: a plan answered alone once stopped at 1536
+    where `full` on every unit fits 1728, NOTE [ calibrating the units to
+    the compiler ] in `_model`).
     """
     answers = {}  # each option's checked answer: the plan's fallback where it fits
     for row in rows:
@@ -418,7 +423,7 @@ def checked_rows(rows, count, plan_at, peak_at, usable, limit=1 << 20, multiple_
             known = max(answers.values(), default=0)  # one policy on every unit is a plan
 
             def choice_at(size):
-                return plan_at(size, [option for option, answer in answers.items() if answer >= size])
+                return plan_at(size, [option for option, answer in answers.items() if not answer or answer < size])
         else:
             def choice_at(size, option=row["option"]):
                 return [option] * count

@@ -551,10 +551,10 @@ def largest_fit(
                     compiled[key] = _compiled_peak_of(model, units, choice, make_inputs(size), None, execution, offload)
                 return compiled[key]
 
-            def plan_at(size, fitting):  # as recompute_model(budget=) plans at that size
-                return _checked_plan(
-                    fitted.at(size), usable, lambda policies: peak_at(policies, size), fitting, calibrated_here=False
-                )
+            def plan_at(size, ruled_out):  # as recompute_model(budget=) plans at that size
+                costs = fitted.at(size)
+                fallback = [option for option in _uniform_options(costs) if option not in ruled_out]
+                return _checked_plan(costs, usable, lambda policies: peak_at(policies, size), fallback, calibrated_here=False)
 
             _fit.checked_rows(rows, len(units), plan_at, peak_at, usable, limit, multiple_of)
     answered = [row for row in rows if row["largest"]]

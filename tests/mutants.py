@@ -372,6 +372,14 @@ MUTANTS = [
         "tensorflow", ["test_budget.py::test_each_options_timed_step_runs_its_recompute"],
     ),
     Mutant(
+        "fit_plan_falls_back_on_asked_options_only", "largest_fit's plan falls back only on the options asked for "
+        "beside it, so a plan asked for alone stops short of where one policy on every unit fits",
+        "keras_recompute/_model.py",
+        "fallback = [option for option in _uniform_options(costs) if option not in ruled_out]",
+        "fallback = []",
+        "jax", ["test_fit.py::test_a_plan_answered_alone_falls_back_on_every_option"],
+    ),
+    Mutant(
         "budget_trusts_its_quanta", "the solver returns a plan without checking its peak against the budget",
         "keras_recompute/_budget.py", "if model.peak(list(choices)) <= budget:", "if True:",
         "tensorflow", ["test_budget_solver.py"],

@@ -256,6 +256,25 @@ def test_the_fit_answers_near_the_compiled_steps_with_a_large_embedding():
     assert 8 < report.largest("none") < report.largest("full"), str(report)
 
 
+@pytest.mark.skipif(BACKEND != "jax", reason="each answer checked by compiling the step (JAX)")
+def test_a_plan_answered_alone_falls_back_on_every_option(monkeypatch):
+    """A plan's check falls back on one policy on every unit where a mixed plan's compiled step misses (NOTE
+    [ calibrating the units to the compiler ]); asked for alone (`options=[]`), that fallback was empty: keras-hub
+    Gemma with LoRA answered 1536 where `full` on every unit fits 1728 (tests/test_fit_solver.py: the rows' side)."""
+    from keras_recompute import _model
+
+    fallbacks, checked_plan = [], _model._checked_plan
+
+    def recording(costs, value, compiled, fallback=None, calibrated_here=True):
+        fallbacks.append(fallback)
+        return checked_plan(costs, value, compiled, fallback, calibrated_here)
+
+    monkeypatch.setattr(_model, "_checked_plan", recording)
+    report = largest_fit(sequence_model(2), "100MiB", make_batch, options=[], plan=True)
+    assert report.largest("plan") and fallbacks, str(report)
+    assert all(fallback is None or "full" in fallback for fallback in fallbacks), fallbacks
+
+
 @pytest.mark.skipif(BACKEND == "tensorflow", reason="nothing compiled to check: each unit measured by its own call")
 def test_a_planned_model_is_answered_as_a_plain_one():
     """A model with `full` applied answers as its plain twin: each row is the step under that row's plan, not under

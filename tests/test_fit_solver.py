@@ -177,9 +177,9 @@ def test_checked_rows_move_each_answer_to_the_compilers_and_the_plan_to_at_least
 
     asked = []
 
-    def plan_at(size, fitting):
-        asked.append((size, tuple(fitting)))
-        return ["full"] * 4 if "full" in fitting else ["none", "full", "full", "full"]
+    def plan_at(size, ruled_out):
+        asked.append((size, tuple(ruled_out)))
+        return ["full"] * 4 if "full" not in ruled_out else ["none", "full", "full", "full"]
 
     _fit.checked_rows(rows, 4, plan_at, peak_at, budget, limit=5000)
     rows = {row["option"]: row for row in rows}
@@ -190,7 +190,30 @@ def test_checked_rows_move_each_answer_to_the_compilers_and_the_plan_to_at_least
         assert rows[option]["fitted_largest"] == fitted_answers[option] and rows[option]["checked"] == "compiled"
     assert rows["plan"]["largest"] == rows["full"]["largest"] and rows["plan"]["policies"] == ["full"] * 4
     assert "no plan fits" not in (rows["plan"]["note"] or "") or rows["plan"]["next_peak"] is None
-    assert all(("full" in fitting) == (size <= rows["full"]["largest"]) for size, fitting in asked)
+    assert all(("full" in ruled_out) == (size > rows["full"]["largest"]) for size, ruled_out in asked)
+
+
+def test_a_plan_answered_alone_may_fall_back_on_every_option():
+    """An option not asked for is not ruled out: `largest_fit(options=[])` answered a plan that stopped short of
+    where `full` on every unit fits (keras-hub Gemma with LoRA on JAX: 1536 against 1728), as the planner's
+    fallback was only the options whose rows were checked."""
+    fit = fitted([2, 4, 8], 1)
+    budget = 900 * MB
+    rows = _fit.fit_rows(fit, budget, [], plan=True, limit=5000)
+
+    def peak_at(choice, size):  # no mixed plan fits past full's own answer; full fits beyond the fit's answer
+        return 2 * budget if len(set(choice)) > 1 else 0.9 * model_at(size).peak(choice)
+
+    asked = []
+
+    def plan_at(size, ruled_out):
+        asked.append(tuple(ruled_out))
+        return ["full"] * 4 if "full" not in ruled_out else ["none", "full", "full", "full"]
+
+    _fit.checked_rows(rows, 4, plan_at, peak_at, budget, limit=5000)
+    (row,) = rows
+    assert row["largest"] == brute_largest(lambda s: peak_at(["full"] * 4, s), budget) and row["policies"] == ["full"] * 4
+    assert asked and not any(asked)
 
 
 def test_checked_rows_leave_the_fit_where_no_compiler_states_a_peak():
