@@ -414,7 +414,7 @@ def checked_rows(rows, count, plan_at, peak_at, usable, limit=1 << 20, multiple_
     where `full` on every unit fits 1728, NOTE [ calibrating the units to
     the compiler ] in `_model`).
     """
-    answers = {}  # each option's checked answer: the plan's fallback where it fits
+    answers = {}  # each option's checked answer: past it, the option is ruled out of the plan's fallback
     for row in rows:
         if not row["largest"]:
             continue
