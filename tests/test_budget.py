@@ -563,9 +563,12 @@ def test_measuring_a_large_batch_holds_less_than_the_step_it_plans():
         assert done.returncode == 0, done.stderr[-3000:]
         records[how] = json.loads(done.stdout.strip().splitlines()[-1])
     whole, below = records["whole"], records["below"]
-    assert whole["measuring"] > 1.1 * whole["step"], records  # the failure this avoids
-    # The allocator's peaks move by 10-20% from one process to the next (a step 69-93 MB, measuring below 49-62 MB
-    # on two machines); so: under the step (what a device sized to it needs) and well under measuring whole.
+    # The failure this avoids: measuring whole needs more than the step it predicts (what a device sized to the
+    # plan has). Against the prediction, the same in every process (84.8 MB), not the step's own peak: the
+    # allocator's peaks move by 10-20% from one process to the next (a step 69-93 MB, measuring whole 91-102 MB,
+    # below 47-62 MB on three machines), and a CI run's step (88.0 MB) came within 4% of measuring whole (91.4).
+    assert whole["measuring"] > 1.05 * whole["predicted"], records
+    # So: under the step (what a device sized to it needs) and well under measuring whole.
     assert below["measuring"] < below["step"], records
     assert below["measuring"] < 0.75 * whole["measuring"], records
     assert abs(below["predicted"] - whole["predicted"]) <= 0.01 * whole["predicted"], records
