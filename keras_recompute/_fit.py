@@ -110,12 +110,14 @@ PyTorch under `attention_core` was predicted 214 MiB at 1152 and measured
 compiler does not check the answers (TensorFlow, PyTorch, eager JAX) and
 the least answer lies beyond twice the largest size measured, the units are
 measured once more at that answer (`nearer_size`: no recompute's, where
-asked) and every answer is fitted again through all the sizes. The step
-there is predicted to fit the budget, and measuring a unit holds less than
-the step does (one unit's activations, not all of them), so the
-measurement fits too. Measured again at 960, PyTorch's `attention_core`
-answered 1280 where 1408 was bisected (1152 before; two steps of 64 under
-it, the headroom's), and TensorFlow's `full` 1600 where 1664 was (1408).
+asked; the plan's, asked alone) and every answer is fitted again through
+all the sizes. The step there is predicted to fit the budget, and measuring
+a unit holds less than the step does (one unit's activations, not all of
+them), so the measurement fits too. Measured again at 960, PyTorch's
+`attention_core` answered 1280 where 1408 was bisected (1152 before; two
+steps of 64 under it, the headroom's), and TensorFlow's `full` 1600 where
+1664 was (1408). Asked alone, the plan was answered from 64-256 until
+2026-12-05: TensorFlow's Gemma 1472; measured again there, 1600.
 Along the batch the fit is a line, and the answers measured 0.91-1.03x
 their prediction without it.
 """
@@ -530,10 +532,12 @@ def _row(option, peak_at, residual, budget, start, limit, multiple_of):
 def nearer_size(rows, sizes, axis, multiple_of):
     """Where to measure once more before answering along the sequence, or None (NOTE [ measuring nearer the answers ]).
 
-    The least answer (no recompute's, where asked), rounded down to
-    `multiple_of`, where it lies beyond twice the largest size measured.
+    The least answer (no recompute's, where asked; the plan's, asked
+    alone), rounded down to `multiple_of`, where it lies beyond twice the
+    largest size measured.
     """
     answers = [row["largest"] for row in rows if row["largest"] and row["option"] != PLAN]
+    answers = answers or [row["largest"] for row in rows if row["largest"]]
     if DEGREES[axis] < 2 or not answers:
         return None
     nearer = min(answers) // multiple_of * multiple_of

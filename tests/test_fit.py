@@ -194,29 +194,42 @@ def test_the_predicted_largest_size_fits_and_the_next_does_not(axis):
 
 
 @pytest.mark.skipif(BACKEND == "jax", reason="each answer checked by compiling the step there instead")
-def test_sequence_answers_far_past_the_sizes_measured_are_measured_there_again(monkeypatch):
+@pytest.mark.parametrize("asked", ["options", "plan alone"])
+def test_sequence_answers_far_past_the_sizes_measured_are_measured_there_again(monkeypatch, asked):
     """NOTE [ measuring nearer the answers ]: memory that grows faster than the quadratic through the sizes measured
     (a cubic term here, synthetic costs in place of the measure) is under-predicted far past them; measured again at
-    the least answer, every answer fits its budget, and the sizes measured say so."""
+    the least answer (the plan's, asked alone), every answer fits its budget, and the sizes measured say so."""
     import test_fit_solver as synthetic
     from keras_recompute import _model
 
     measured = []
 
+    # Asked alone, the plan's answer is `full` on every unit, whose recompute then holds the cube too.
+    costs = dict(quadratic=0.01, cube=5e-6, cube_recomputed=asked == "plan alone")
+
     def measure(model, units, inputs, *args, **kwargs):
         measured.append(inputs.shape[1])
-        return synthetic.model_at(inputs.shape[1], quadratic=0.01, cube=5e-6)
+        return synthetic.model_at(inputs.shape[1], **costs)
 
     monkeypatch.setattr(_model, "_calibrated_costs", measure)
     budget = 40 * 10**9  # synthetic costs: nothing of this size is made
-    report = largest_fit(sequence_model(blocks=4), budget, make_sequence, axis="sequence", options=["none", "full"],
-                         plan=False, headroom=0)
+    model = sequence_model(blocks=4)
+    if asked == "plan alone":
+        report = largest_fit(model, budget, make_sequence, axis="sequence", options=[], headroom=0)
+        assert measured[:4] == [64, 128, 192, 256] and len(measured) == 5 and measured[4] > 512, measured
+        largest = report.largest("plan")
+        # The least peak any plan reaches (`full` on every unit here), found by brute force on the true costs.
+        truth = synthetic.brute_largest(lambda s: synthetic.model_at(s, **costs).floor(), budget)
+        assert 0.97 * truth <= largest <= truth, (largest, truth, measured)  # the quadratic alone: 1522 > 1334
+        return
+    report = largest_fit(model, budget, make_sequence, axis="sequence", options=["none", "full"], plan=False,
+                         headroom=0)
     nearer = report.largest("none")
     assert measured[:4] == [64, 128, 192, 256] and len(measured) == 5 and measured[4] > 512, measured
     assert report.sizes == measured and f"256, {measured[4]} and fitted" in str(report)
     for option in ("none", "full"):
         largest = report.largest(option)
-        truth = synthetic.brute_largest(lambda s: synthetic.model_at(s, quadratic=0.01, cube=5e-6).peak([option] * 4), budget)
+        truth = synthetic.brute_largest(lambda s: synthetic.model_at(s, **costs).peak([option] * 4), budget)
         assert 0.97 * truth <= largest <= truth, (option, largest, truth, measured)  # the quadratic alone: none 743 > 707
     assert nearer < measured[4]
 
