@@ -380,6 +380,14 @@ MUTANTS = [
         "jax", ["test_fit.py::test_a_plan_answered_alone_falls_back_on_every_option"],
     ),
     Mutant(
+        "fit_plan_alone_not_measured_nearer", "largest_fit asked for the plan alone answers along the sequence from "
+        "the quadratic through 64-256, far past them, not measured again at its answer",
+        "keras_recompute/_fit.py",
+        'answers = answers or [row["largest"] for row in rows if row["largest"]]',
+        "answers = answers",
+        "tensorflow", ["test_fit.py::test_sequence_answers_far_past_the_sizes_measured_are_measured_there_again"],
+    ),
+    Mutant(
         "budget_trusts_its_quanta", "the solver returns a plan without checking its peak against the budget",
         "keras_recompute/_budget.py", "if model.peak(list(choices)) <= budget:", "if True:",
         "tensorflow", ["test_budget_solver.py"],
