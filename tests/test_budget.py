@@ -563,13 +563,11 @@ def test_measuring_a_large_batch_holds_less_than_the_step_it_plans():
         assert done.returncode == 0, done.stderr[-3000:]
         records[how] = json.loads(done.stdout.strip().splitlines()[-1])
     whole, below = records["whole"], records["below"]
-    # The failure this avoids: measuring whole needs more than the step it predicts (what a device sized to the
-    # plan has). Against the prediction, the same in every process (84.8 MB), not the step's own peak: the
-    # allocator's peaks move by 10-20% from one process to the next (a step 69-93 MB, measuring below 47-62 MB on
-    # three machines; measuring whole 91-96 MB since the TensorFlow unit step's timing fix, 98-102 before it), and a
-    # CI run's step (88.0 MB) came within 4% of measuring whole (91.4).
-    assert whole["measuring"] > whole["predicted"], records
-    # So: under the step (what a device sized to it needs) and well under measuring whole.
+    # The allocator's peaks move by 10-20% from one process to the next: the step 69-93 MB, measuring below 47-62 MB
+    # on three machines. Measuring whole peaked 98-102 MB against the 84.8 MB predicted until the TensorFlow unit
+    # step's timing fix (2026-12-05); since, 84-103 MB (ten runs): at times under the prediction, so not asserted
+    # (a CI run failed on `measuring > 1.1 * step` at 91.4 against 88.0 MB). What is asserted holds in every run:
+    # measuring below is under the step (what a device sized to it needs) and well under measuring whole (0.48-0.59x).
     assert below["measuring"] < below["step"], records
     assert below["measuring"] < 0.75 * whole["measuring"], records
     assert abs(below["predicted"] - whole["predicted"]) <= 0.01 * whole["predicted"], records
