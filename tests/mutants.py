@@ -385,7 +385,7 @@ MUTANTS = [
         "keras_recompute/_fit.py",
         'answers = answers or [row["largest"] for row in rows if row["largest"]]',
         "answers = answers",
-        "tensorflow", ["test_fit.py::test_sequence_answers_far_past_the_sizes_measured_are_measured_there_again"],
+        "tensorflow", ["test_fit.py::test_a_plan_asked_for_alone_is_measured_again_past_the_sizes_measured"],
     ),
     Mutant(
         "budget_trusts_its_quanta", "the solver returns a plan without checking its peak against the budget",

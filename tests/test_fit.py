@@ -193,37 +193,33 @@ def test_the_predicted_largest_size_fits_and_the_next_does_not(axis):
         assert peak <= budget, (policy, peak, str(report))
 
 
-@pytest.mark.skipif(BACKEND == "jax", reason="each answer checked by compiling the step there instead")
-@pytest.mark.parametrize("asked", ["options", "plan alone"])
-def test_sequence_answers_far_past_the_sizes_measured_are_measured_there_again(monkeypatch, asked):
-    """NOTE [ measuring nearer the answers ]: memory that grows faster than the quadratic through the sizes measured
-    (a cubic term here, synthetic costs in place of the measure) is under-predicted far past them; measured again at
-    the least answer (the plan's, asked alone), every answer fits its budget, and the sizes measured say so."""
+def _fit_on_cubic_costs(monkeypatch, costs, budget, **kwargs):
+    """`largest_fit` along the sequence on synthetic costs (`test_fit_solver.model_at(size, **costs)`) in place of
+    the measure; the report and the sizes measured."""
     import test_fit_solver as synthetic
     from keras_recompute import _model
 
     measured = []
-
-    # Asked alone, the plan's answer is `full` on every unit, whose recompute then holds the cube too.
-    costs = dict(quadratic=0.01, cube=5e-6, cube_recomputed=asked == "plan alone")
 
     def measure(model, units, inputs, *args, **kwargs):
         measured.append(inputs.shape[1])
         return synthetic.model_at(inputs.shape[1], **costs)
 
     monkeypatch.setattr(_model, "_calibrated_costs", measure)
+    report = largest_fit(sequence_model(blocks=4), budget, make_sequence, axis="sequence", headroom=0, **kwargs)
+    return report, measured
+
+
+@pytest.mark.skipif(BACKEND == "jax", reason="each answer checked by compiling the step there instead")
+def test_sequence_answers_far_past_the_sizes_measured_are_measured_there_again(monkeypatch):
+    """NOTE [ measuring nearer the answers ]: memory that grows faster than the quadratic through the sizes measured
+    (a cubic term here, synthetic costs in place of the measure) is under-predicted far past them; measured again at
+    the least answer, every answer fits its budget, and the sizes measured say so."""
+    import test_fit_solver as synthetic
+
+    costs = dict(quadratic=0.01, cube=5e-6)
     budget = 40 * 10**9  # synthetic costs: nothing of this size is made
-    model = sequence_model(blocks=4)
-    if asked == "plan alone":
-        report = largest_fit(model, budget, make_sequence, axis="sequence", options=[], headroom=0)
-        assert measured[:4] == [64, 128, 192, 256] and len(measured) == 5 and measured[4] > 512, measured
-        largest = report.largest("plan")
-        # The least peak any plan reaches (`full` on every unit here), found by brute force on the true costs.
-        truth = synthetic.brute_largest(lambda s: synthetic.model_at(s, **costs).floor(), budget)
-        assert 0.97 * truth <= largest <= truth, (largest, truth, measured)  # the quadratic alone: 1522 > 1334
-        return
-    report = largest_fit(model, budget, make_sequence, axis="sequence", options=["none", "full"], plan=False,
-                         headroom=0)
+    report, measured = _fit_on_cubic_costs(monkeypatch, costs, budget, options=["none", "full"], plan=False)
     nearer = report.largest("none")
     assert measured[:4] == [64, 128, 192, 256] and len(measured) == 5 and measured[4] > 512, measured
     assert report.sizes == measured and f"256, {measured[4]} and fitted" in str(report)
@@ -232,6 +228,22 @@ def test_sequence_answers_far_past_the_sizes_measured_are_measured_there_again(m
         truth = synthetic.brute_largest(lambda s: synthetic.model_at(s, **costs).peak([option] * 4), budget)
         assert 0.97 * truth <= largest <= truth, (option, largest, truth, measured)  # the quadratic alone: none 743 > 707
     assert nearer < measured[4]
+
+
+@pytest.mark.skipif(BACKEND == "jax", reason="each answer checked by compiling the step there instead")
+def test_a_plan_asked_for_alone_is_measured_again_past_the_sizes_measured(monkeypatch):
+    """NOTE [ measuring nearer the answers ]: asked alone (`options=[]`), the plan's answer is where the units are
+    measured again; its answer is `full` on every unit, whose recompute holds the cube here too."""
+    import test_fit_solver as synthetic
+
+    costs = dict(quadratic=0.01, cube=5e-6, cube_recomputed=True)
+    budget = 40 * 10**9
+    report, measured = _fit_on_cubic_costs(monkeypatch, costs, budget, options=[])
+    assert measured[:4] == [64, 128, 192, 256] and len(measured) == 5 and measured[4] > 512, measured
+    largest = report.largest("plan")
+    # The least peak any plan reaches (`full` on every unit here), found by brute force on the true costs.
+    truth = synthetic.brute_largest(lambda s: synthetic.model_at(s, **costs).floor(), budget)
+    assert 0.97 * truth <= largest <= truth, (largest, truth, measured)  # the quadratic alone: 1522 > 1334
 
 
 def embedding_model(vocabulary=32768, blocks=2):
