@@ -15,6 +15,9 @@ passes as the compiler's rounding only where op by op the steps match
 same dropout masks (NOTE [ torch.compile's random numbers ]).
 """
 
+import json
+import os
+
 import keras
 import numpy as np
 import pytest
@@ -664,3 +667,57 @@ def test_a_torch_compiled_step_with_dropout_is_verified_mask_for_mask():
     model.train_on_batch(X, Y)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0, "the step was not compiled"
     assert CountedDropoutBlock.calls == 2, f"{CountedDropoutBlock.calls} calls in a step: it did not recompute"
+
+
+_QWEN2_LORA_BFLOAT16 = r"""
+import json
+import keras, keras_hub, numpy as np
+from keras_recompute import verify
+
+keras.mixed_precision.set_global_policy("mixed_bfloat16")
+keras.utils.set_random_seed(0)
+backbone = keras_hub.models.Qwen2Backbone(vocabulary_size=64, num_layers=2, num_query_heads=2, num_key_value_heads=1,
+                                          hidden_dim=16, intermediate_dim=32, dropout=0.1)
+backbone.enable_lora(4)
+inputs = {name: keras.Input((8,), dtype="int32", name=name) for name in ("token_ids", "padding_mask")}
+model = keras.Model(inputs, keras.layers.Dense(1)(backbone(inputs)))
+model.compile(optimizer="sgd", loss="mse")
+rng = np.random.RandomState(0)
+batch = {"token_ids": rng.randint(1, 64, size=(2, 8)).astype("int32"), "padding_mask": np.ones((2, 8), "int32")}
+batch["padding_mask"][1, 6:] = 0
+report = verify(model, batch, rng.normal(size=(2, 8, 1)).astype("float32"), trials=3, memory=False)
+print(json.dumps({"ok": report.ok, "cannot_tell": report.cannot_tell, "failure": report.failure}))
+"""
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="XLA's excess precision under JAX's jit")
+def test_a_bfloat16_step_verify_cannot_tell_on_jax_names_the_flag_that_makes_it_tell():
+    """keras-hub's Qwen2 with LoRA in mixed_bfloat16: compiling keeps float32 between fused ops, so the compiled steps
+    differ by more than verify can tell from rounding; the message names XLA_FLAGS=--xla_allow_excess_precision=false,
+    and with it set the same model passes."""
+    pytest.importorskip("keras_hub")
+    import _fresh
+
+    env = dict(os.environ, KERAS_BACKEND="jax")
+    flags = os.environ.get("XLA_FLAGS", "")
+    runs = {}
+    for strict in (False, True):
+        env["XLA_FLAGS"] = f"{flags} --xla_allow_excess_precision=false".strip() if strict else flags
+        done = _fresh.run(["-c", _QWEN2_LORA_BFLOAT16], env=dict(env))
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[strict] = json.loads(done.stdout.strip().splitlines()[-1])
+    assert runs[False]["cannot_tell"] and not runs[False]["ok"], runs[False]
+    assert "XLA_FLAGS=--xla_allow_excess_precision=false" in runs[False]["failure"], runs[False]["failure"]
+    assert runs[True]["ok"], runs[True]
+
+
+def test_the_excess_precision_hint_is_for_jax_in_a_16_bit_float_without_the_flag(monkeypatch):
+    from keras_recompute import _verify
+
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    plain = compiled(attention_model(keras))
+    half = keras.Sequential([keras.Input((4,)), layers.Dense(2, dtype="mixed_bfloat16")])
+    assert _verify._excess_precision_hint(plain) == ""
+    assert bool(_verify._excess_precision_hint(half)) == (BACKEND == "jax")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_allow_excess_precision=false")
+    assert _verify._excess_precision_hint(half) == ""
