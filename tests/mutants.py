@@ -388,6 +388,14 @@ MUTANTS = [
         "tensorflow", ["test_fit.py::test_a_plan_asked_for_alone_is_measured_again_past_the_sizes_measured"],
     ),
     Mutant(
+        "verify_excess_precision_hint_dropped", "verify's 'cannot tell' of a bfloat16 step on JAX no longer names the "
+        "flag that makes the compiled steps comparable",
+        "keras_recompute/_verify.py",
+        "report.failure += _excess_precision_hint(model)",
+        "report.failure += ''",
+        "jax", ["test_verify.py::test_a_bfloat16_step_verify_cannot_tell_on_jax_names_the_flag_that_makes_it_tell"],
+    ),
+    Mutant(
         "budget_trusts_its_quanta", "the solver returns a plan without checking its peak against the budget",
         "keras_recompute/_budget.py", "if model.peak(list(choices)) <= budget:", "if True:",
         "tensorflow", ["test_budget_solver.py"],
