@@ -57,6 +57,7 @@ allocator keeps figures, measures their peaks.
 
 import contextlib
 import importlib
+import os
 import statistics
 import sys
 import time
@@ -116,10 +117,9 @@ _COMPILER_FACTOR = 10
 _NO_YARDSTICK = 0.01  # normwise: an allowance this large would pass a wrong update
 _BELOW_COMPILING = _NO_YARDSTICK / _COMPILER_FACTOR  # where there is none: less than compiling moves the plain step
 
+
 def _excess_precision_hint(model):
     """What makes JAX's compiled steps comparable in a 16-bit float, or "" where it does not apply."""
-    import os
-
     import keras
 
     if keras.backend.backend() != "jax" or _EXCESS_PRECISION_OFF in os.environ.get("XLA_FLAGS", ""):
@@ -130,8 +130,8 @@ def _excess_precision_hint(model):
         return ""
     return (
         f" On JAX in a 16-bit float, XLA keeps float32 between the ops it fuses: set XLA_FLAGS={_EXCESS_PRECISION_OFF}"
-        " before JAX starts (export it, or in os.environ before importing Keras) and the compiled steps round as the"
-        " program says, and compare."
+        " (beside any flags already there) before JAX starts, and the compiled steps round as the program says and"
+        " compare."
     )
 
 
