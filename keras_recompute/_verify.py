@@ -124,7 +124,7 @@ def _excess_precision_hint(model):
 
     if keras.backend.backend() != "jax" or _EXCESS_PRECISION_OFF in os.environ.get("XLA_FLAGS", ""):
         return ""
-    layers = [model, *model._flatten_layers(include_self=False)] if hasattr(model, "_flatten_layers") else [model]
+    layers = model._flatten_layers() if hasattr(model, "_flatten_layers") else [model]  # the model itself first
     policies = {getattr(getattr(layer, "dtype_policy", None), "compute_dtype", None) for layer in layers}
     if not policies & {"bfloat16", "float16"}:
         return ""
