@@ -619,6 +619,29 @@ def test_a_raw_random_op_raises_instead_of_a_wrong_gradient(mode):
             compile_mode(step, mode)(tf.ones((4, 6)))
 
 
+def test_a_function_calls_the_check_traced_once_instead_of_tracing_its_ops_per_call():
+    """NOTE [ tracing the check ]: in a `tf.function` each recomputed call's fingerprints (the forward's and the
+    recompute's) and their comparison are calls of functions traced once: a few ops a call beyond check=False's
+    graph (18 here), where the check's own ops were 157 a call, traced again for every call (catching a recompute that
+    differs, so traced: test_a_raw_random_op_raises_instead_of_a_wrong_gradient)."""
+    weight = tf.Variable(tf.ones((6, 6)))
+
+    def operations(check):
+        layer = recompute_grad(lambda x: tf.tanh(tf.matmul(x, weight)), check=check)
+
+        def step(x):
+            with tf.GradientTape() as tape:
+                y = tf.reduce_sum(layer(layer(x)))
+            return tape.gradient(y, weight)
+
+        with recompute_scope(True):
+            graph = tf.function(step, autograph=False).get_concrete_function(tf.ones((4, 6))).graph
+        return len(graph.get_operations())
+
+    checked, unchecked = operations(True), operations(False)
+    assert 0 < checked - unchecked <= 2 * 40, (checked, unchecked)
+
+
 @pytest.mark.parametrize("mode", ["eager", "function"])
 def test_a_forward_that_overflowed_is_not_called_a_different_recompute(mode):
     """A diverged model's NaN and inf outputs are reproduced by the recompute: the gradients are plain's, no error.

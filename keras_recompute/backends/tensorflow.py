@@ -1083,14 +1083,11 @@ def _value_check(before, after, dtype, message, exact=None, as_data=False):
     """Compares two fingerprints of a value of `dtype`, the forward's and the recompute's (NOTE [ the recompute
     check ]): in eager mode raises `RecomputeError` with `message` where they differ (returns None); in a graph
     returns the op that fails there (`_graph_check`; `exact` and `as_data` as `_Expected.compare` takes them)."""
-    # A forward that overflowed (a diverged model) is reproduced when the recompute
-    # overflows where it did: NaN and inf compare unequal to themselves.
-    finite = tf.math.is_finite(before)
-    both = tf.logical_and(finite, tf.math.is_finite(after))
-    same = tf.reduce_all(tf.equal(finite, tf.math.is_finite(after)))
-    difference = tf.reduce_max(tf.where(both[1:], tf.abs(after[1:] - before[1:]), tf.zeros_like(after[1:])))
-    difference = tf.where(same, difference, float("inf"))
-    limit = _tolerance(dtype) * tf.where(finite[0], before[0], 0.0) + 1e-6
+    tolerance = _tolerance(dtype)
+    if tf.executing_eagerly() or _calls_traced():  # NOTE [ tracing the check ]
+        difference, limit = _traced_difference(before, after, tf.constant(tolerance, tf.float32))
+    else:
+        difference, limit = _difference(before, after, tolerance)
     if tf.executing_eagerly():
         if not bool(difference <= limit):
             raise RecomputeError(message + f" Fingerprints differ by {float(difference):.3g}.")
@@ -1099,6 +1096,25 @@ def _value_check(before, after, dtype, message, exact=None, as_data=False):
     if exact is not None:  # NOTE [ a NaN gradient ]
         same = tf.logical_or(same, tf.logical_not(exact))
     return _graph_check(same, message, difference, limit, as_data)
+
+
+def _difference(before, after, tolerance):
+    """`(difference, limit)` of two fingerprints: the largest difference of their projections (inf where one is
+    finite and the other not), and the most allowed, `tolerance` of the forward's norm."""
+    # A forward that overflowed (a diverged model) is reproduced when the recompute
+    # overflows where it did: NaN and inf compare unequal to themselves.
+    finite = tf.math.is_finite(before)
+    both = tf.logical_and(finite, tf.math.is_finite(after))
+    same = tf.reduce_all(tf.equal(finite, tf.math.is_finite(after)))
+    difference = tf.reduce_max(tf.where(both[1:], tf.abs(after[1:] - before[1:]), tf.zeros_like(after[1:])))
+    difference = tf.where(same, difference, float("inf"))
+    limit = tolerance * tf.where(finite[0], before[0], 0.0) + 1e-6
+    return difference, limit
+
+
+_traced_difference = tf.function(
+    _difference, input_signature=[tf.TensorSpec([3], tf.float32)] * 2 + [tf.TensorSpec([], tf.float32)], autograph=False
+)
 
 
 # NOTE [ a check the runtime may prune ]
@@ -1144,15 +1160,17 @@ def _add_checks(upstream, checks):
 def _fingerprint(x):
     """`[norm, projection, projection]` of `x` in float32 (NOTE [ the recompute check ]).
 
-    In eager mode it runs as one traced function, traced once for all shapes:
-    op by op, its dozen small ops cost more than the recomputed call's own
-    difference from `tf.recompute_grad` (0.1 s of a 3 s step over 12 blocks).
+    In eager mode and in a `tf.function` it runs as one traced function,
+    traced once for all shapes: op by op, its dozen small ops cost more than
+    the recomputed call's own difference from `tf.recompute_grad` (0.1 s of a
+    3 s step over 12 blocks), and tracing them took 12 ms a fingerprint, two
+    per output of each recomputed call (`_calls_traced`).
     """
     x = tf.cast(x, tf.float32)
     if tf.executing_eagerly():
         return _traced_fingerprint(x)
     with tf.name_scope(CHECK_SCOPE):  # a graph's reader can tell the check's ops from the recompute's
-        return _fingerprint_ops(x)
+        return _traced_fingerprint(x) if _calls_traced() else _fingerprint_ops(x)
 
 
 CHECK_SCOPE = "keras_recompute_check"
@@ -1173,6 +1191,24 @@ def _fingerprint_ops(x):
 _traced_fingerprint = tf.function(
     _fingerprint_ops, input_signature=[tf.TensorSpec(None, tf.float32)], autograph=False
 )
+
+
+def _calls_traced():
+    """Whether the graph being built calls the check's traced functions rather than holding their ops.
+
+    NOTE [ tracing the check ]
+    The check's ops are the same for every recomputed call, and each call's
+    forward and recompute made them afresh while a `tf.function` was traced:
+    about 60 ops a fingerprint and 30 a comparison, 12 ms each to trace on a
+    2-core CPU, where a call of the function traced once (`_traced_fingerprint`,
+    `_traced_difference`) is one op and 1.5 ms. Planning to a budget traces a
+    step per unit and option; the suite's tests/test_budget.py spent a tenth of
+    its time tracing the check's ops. In a `tf.function` (XLA too, which
+    compiles the function's body in place) the graph calls them; in a TF1-style
+    graph, which the legacy path builds and runs by a session, and before
+    TensorFlow 2.4 (`LEGACY`), it holds the ops themselves.
+    """
+    return not LEGACY and getattr(tf.compat.v1.get_default_graph(), "building_function", False)
 
 
 def _same_shape(a, b):
