@@ -244,6 +244,14 @@ MUTANTS = [
         "torch", ["test_semantics_keras3.py"],
     ),
     Mutant(
+        "tf_check_allows_any_difference", "the check's comparison of fingerprints allows any difference (a "
+        "recompute that computes another function passes), in eager mode and in a tf.function",
+        "keras_recompute/backends/tensorflow.py", 'limit = tolerance * tf.where(finite[0], before[0], 0.0) + 1e-6',
+        'limit = tolerance * tf.where(finite[0], before[0], 0.0) + float("inf")',
+        "tensorflow", ["test_semantics.py::test_a_raw_random_op_raises_instead_of_a_wrong_gradient",
+                       "test_semantics.py::test_a_recompute_no_gradient_reads_is_not_run_in_a_function"],
+    ),
+    Mutant(
         "tf_save_dots_check_off", 'under "save_dots" a recompute that feeds a kept matmul other inputs is not caught',
         "keras_recompute/backends/tensorflow.py",
         "            if self._check:\n                self._seen.append(", "            if False:\n                self._seen.append(",
