@@ -6,6 +6,9 @@ around each block's call, and of `recompute_model` (each block one unit). Both
 recomputes run each block's forward twice; what ours costs more per recomputed
 call is printed at the end. Keras 3 on TensorFlow, one process, the methods
 measured in turns (`--runs` rounds, each the fastest of `--steps` steps).
+And what each costs to trace: the same step traced as a `tf.function` (its
+graph built, not run; the fastest of `--runs` traces), where ours adds the
+recompute check's ops (NOTE [ tracing the check ] in `backends/tensorflow.py`).
 
 Usage:
     python benchmarks/eager_overhead.py
@@ -71,6 +74,21 @@ def step_seconds(model, inputs, steps):
     return min(times)
 
 
+def trace_seconds(model, inputs):
+    """Seconds to trace the step as a `tf.function` (its graph built, not run)."""
+    import tensorflow as tf
+
+    def step(inputs):
+        with tf.GradientTape() as tape:
+            outputs = model(inputs, training=True)
+            loss = tf.reduce_sum(outputs * outputs)
+        return tape.gradient(loss, model.trainable_variables)
+
+    start = time.perf_counter()
+    graph = tf.function(step, autograph=False).get_concrete_function(tf.constant(inputs)).graph
+    return time.perf_counter() - start, len(graph.get_operations())
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=4)
@@ -85,9 +103,13 @@ def main(argv=None):
     inputs = np.random.RandomState(0).standard_normal((2, 16, 32)).astype("float32")
     models = {method: build(keras, keras_hub, args.blocks, method) for method in METHODS}
     seconds = {method: [] for method in METHODS}
+    traces, operations = {method: [] for method in METHODS}, {}
     for _ in range(args.runs):
         for method in METHODS:
             seconds[method].append(step_seconds(models[method], inputs, args.steps))
+        for method in METHODS:
+            traced, operations[method] = trace_seconds(models[method], inputs)
+            traces[method].append(traced)
     print(f"{args.blocks} keras-hub TransformerEncoders (hidden 64, 4 heads), batch 2 x 16, eager; "
           f"mean of {args.runs} runs, each the fastest of {args.steps} steps")
     mean = {method: float(np.mean(values)) for method, values in seconds.items()}
@@ -95,7 +117,18 @@ def main(argv=None):
         print(f"{method:<5} {mean[method] * 1000:8.1f} ms  {mean[method] / mean['none']:.2f}x none")
     extra = (mean["ours"] - mean["tf"]) / args.blocks * 1000
     print(f"ours against tf.recompute_grad: {extra:+.2f} ms per recomputed call")
-    _measure.write_json(args.out, vars(args), {"step_ms": {m: v * 1000 for m, v in mean.items()}, "ours_over_tf_ms_per_call": extra})
+    trace = {method: min(values) for method, values in traces.items()}
+    print(f"traced as a tf.function (the fastest of {args.runs} traces):")
+    for method in METHODS:
+        print(f"{method:<5} {trace[method] * 1000:8.1f} ms  {operations[method]:6d} ops")
+    trace_extra = (trace["ours"] - trace["tf"]) / args.blocks * 1000
+    operations_extra = (operations["ours"] - operations["tf"]) / args.blocks
+    print(f"ours against tf.recompute_grad, traced: {trace_extra:+.2f} ms and {operations_extra:+.0f} ops per recomputed call")
+    _measure.write_json(args.out, vars(args), {
+        "step_ms": {m: v * 1000 for m, v in mean.items()}, "ours_over_tf_ms_per_call": extra,
+        "trace_ms": {m: v * 1000 for m, v in trace.items()}, "operations": operations,
+        "ours_over_tf_trace_ms_per_call": trace_extra, "ours_over_tf_operations_per_call": operations_extra,
+    })
 
 
 if __name__ == "__main__":
