@@ -1201,7 +1201,9 @@ def _calls_traced():
     forward and recompute made them afresh while a `tf.function` was traced:
     about 60 ops a fingerprint and 30 a comparison, 12 ms each to trace on a
     2-core CPU, where a call of the function traced once (`_traced_fingerprint`,
-    `_traced_difference`) is one op and 1.5 ms. Planning to a budget traces a
+    `_traced_difference`) is one op and 1.5 ms; so with the read of each
+    weight gradient's first element that orders the recompute (`_after`), 8
+    ops a weight. Planning to a budget traces a
     step per unit and option; the suite's tests/test_budget.py spent a tenth of
     its time tracing the check's ops. In a `tf.function` (XLA too, which
     compiles the function's body in place) the graph calls them; in a TF1-style
@@ -1230,9 +1232,27 @@ def _after(tensors, values):
     values = [v.values if isinstance(v, tf.IndexedSlices) else v for v in values if v is not None]
     if tf.executing_eagerly() or not values:
         return tensors
-    elements = [tf.cast(tf.reduce_max(tf.reshape(v, [-1])[:1]), tf.float32) for v in values]
+    first = _traced_first_element if _calls_traced() else _first_element  # NOTE [ tracing the check ]
+    elements = [first(v) for v in values]
     wait = _waiter([tf.add_n(elements) if len(elements) > 1 else elements[0]])
     return [None if t is None else _wait_gradient(wait, t) for t in tensors]
+
+
+def _first_element(value):
+    """The first element of `value` as a float32 scalar: a read of its data, for `_after` to wait on."""
+    return tf.cast(tf.reduce_max(tf.reshape(value, [-1])[:1]), tf.float32)
+
+
+def _traced_first_element(value):
+    """`_first_element` as a call of a function traced once per dtype, for all shapes (NOTE [ tracing the check ])."""
+    traced = _TRACED_FIRST_ELEMENT.get(value.dtype)
+    if traced is None:
+        traced = tf.function(_first_element, input_signature=[tf.TensorSpec(None, value.dtype)], autograph=False)
+        _TRACED_FIRST_ELEMENT[value.dtype] = traced
+    return traced(value)
+
+
+_TRACED_FIRST_ELEMENT = {}
 
 
 def _wait_gradient(wait, gradient):
