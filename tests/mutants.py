@@ -252,6 +252,13 @@ MUTANTS = [
                        "test_semantics.py::test_a_recompute_no_gradient_reads_is_not_run_in_a_function"],
     ),
     Mutant(
+        "tf_recompute_not_ordered_after_weight_gradients", "in a tf.function the unit before waits on no weight "
+        "gradient of this one (a constant for its first element), and one inter-op thread holds every unit's recompute",
+        "keras_recompute/backends/tensorflow.py", "    return traced(value)\n\n\n_TRACED_FIRST_ELEMENT",
+        "    return tf.constant(0.0)\n\n\n_TRACED_FIRST_ELEMENT",
+        "tensorflow", ["test_fit.py::test_one_inter_op_thread_frees_each_units_recompute"],
+    ),
+    Mutant(
         "tf_save_dots_check_off", 'under "save_dots" a recompute that feeds a kept matmul other inputs is not caught',
         "keras_recompute/backends/tensorflow.py",
         "            if self._check:\n                self._seen.append(", "            if False:\n                self._seen.append(",
