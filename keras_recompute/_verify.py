@@ -24,7 +24,9 @@ BatchNorm statistic's, is what the step wrote). It compares:
     tell the compiler's rounding from a defect (NOTE [ what compiling moves ]).
   * where a tf.function's comparison fails though op by op the steps match,
     both compiled again with Grappler's arithmetic optimizer off, to tell
-    its rewrite from a defect (NOTE [ a graph optimizer's rewrite ]).
+    its rewrite from a defect (NOTE [ a graph optimizer's rewrite ]); on JAX
+    in a 16-bit float, with XLA's excess precision off (NOTE [ XLA's excess
+    precision ]).
 Each weight belongs to the unit whose layer holds it (or to no unit). A
 unit whose gradient is wrong passes the error on, through its input
 gradient, to every weight before it, so a failure names the last unit (in
@@ -787,11 +789,11 @@ def _excess_precision(model, keras_module):
         return False
     layers = model._flatten_layers() if hasattr(model, "_flatten_layers") else [model]  # the model itself first
     policies = {getattr(getattr(layer, "dtype_policy", None), "compute_dtype", None) for layer in layers}
-    return bool(policies & {"bfloat16", "float16"}) and _jax_trainer_jit() is not None
+    return bool(policies & {"bfloat16", "float16"}) and _jax_trainer() is not None
 
 
-def _jax_trainer_jit():
-    """The `jit` Keras's JAX trainer compiles its steps with, where it is `jax.jit` (not Flax NNX's), else None."""
+def _jax_trainer():
+    """Keras's JAX trainer module, where it compiles the steps with `jax.jit` (not Flax NNX's `jit`), else None."""
     try:
         import jax
         from keras.src.backend.jax import trainer
@@ -807,7 +809,7 @@ def _excess_precision_off():
     after."""
     import jax
 
-    trainer = _jax_trainer_jit()
+    trainer = _jax_trainer()
     trainer.jit = functools.partial(jax.jit, compiler_options={_EXCESS_PRECISION_OPTION: False})
     try:
         yield
