@@ -152,9 +152,10 @@ def step_op_count(layer, inputs, call=None):
     if BACKEND == "tensorflow":
         import tensorflow as tf
 
+        from _twins import graph_op_count
+
         step = tf.function(_tensorflow_step(layer, floats, call))
-        graph = step.get_concrete_function([tf.convert_to_tensor(x) for x in inputs]).graph
-        return len(graph.get_operations())
+        return graph_op_count(step.get_concrete_function([tf.convert_to_tensor(x) for x in inputs]).graph)
     if BACKEND == "jax":
         return step_program(layer, inputs, call).count(" = ")
     from torch.utils._python_dispatch import TorchDispatchMode
