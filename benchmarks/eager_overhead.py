@@ -56,36 +56,33 @@ def _tf_recomputed(tf, call):
     return lambda inputs, *args, **kwargs: recomputed(inputs)
 
 
-def step_seconds(model, inputs, steps):
+def train_step(model, inputs):
+    """The loss's gradients on `model`'s weights for `inputs`: the step timed eagerly and traced."""
     import tensorflow as tf
 
-    def step():
-        with tf.GradientTape() as tape:
-            outputs = model(inputs, training=True)
-            loss = tf.reduce_sum(outputs * outputs)
-        return tape.gradient(loss, model.trainable_variables)
+    with tf.GradientTape() as tape:
+        outputs = model(inputs, training=True)
+        loss = tf.reduce_sum(outputs * outputs)
+    return tape.gradient(loss, model.trainable_variables)
 
-    step()
+
+def step_seconds(model, inputs, steps):
+    train_step(model, inputs)
     times = []
     for _ in range(steps):
         start = time.perf_counter()
-        step()
+        train_step(model, inputs)
         times.append(time.perf_counter() - start)
     return min(times)
 
 
 def trace_seconds(model, inputs):
-    """Seconds to trace the step as a `tf.function` (its graph built, not run)."""
+    """Seconds to trace the step as a `tf.function` (its graph built, not run), and its ops."""
     import tensorflow as tf
 
-    def step(inputs):
-        with tf.GradientTape() as tape:
-            outputs = model(inputs, training=True)
-            loss = tf.reduce_sum(outputs * outputs)
-        return tape.gradient(loss, model.trainable_variables)
-
     start = time.perf_counter()
-    graph = tf.function(step, autograph=False).get_concrete_function(tf.constant(inputs)).graph
+    step = tf.function(lambda x: train_step(model, x), autograph=False)
+    graph = step.get_concrete_function(tf.constant(inputs)).graph
     return time.perf_counter() - start, len(graph.get_operations())
 
 
