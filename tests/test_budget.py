@@ -1178,7 +1178,7 @@ backend._step_bytes_at = lambda model, inputs: runs.append(len(inputs)) or measu
 keras.utils.set_random_seed(0)
 inputs = keras.Input((32, 32, 32))
 hidden = inputs
-for i in range(4):  # conv_blocks_model's
+for i in range(8):  # conv_blocks_model's, of 8 blocks: plain's peak well over the budget (the test's NOTE)
     branch = keras.layers.Conv2D(32, 3, padding="same", use_bias=False, name=f"conv_{i}")(hidden)
     branch = keras.layers.ReLU(name=f"relu_{i}")(keras.layers.BatchNormalization(name=f"norm_{i}")(branch))
     hidden = keras.layers.Add(name=f"add_{i}")([hidden, branch])
@@ -1213,6 +1213,12 @@ def test_a_cnn_is_planned_with_its_step_run_where_the_allocator_keeps_figures(fr
     record = json.loads(done.stdout.strip().splitlines()[-1])
     assert record["runs"] and set(record["runs"]) == {8, 16}, record  # never the batch itself: it may not fit
     assert not record["changed"] and not record["line"], record
+    # Not "none" everywhere: the budget, half-way between plain's peak and the floor, is under plain's peak by more
+    # than the planner's own measure of plain varies. It extrapolates from 8 and 16 rows, and what 8 rows read depends
+    # on what BFC's free chunks are when it runs (a chunk up to twice a request is handed out whole and counted whole):
+    # on 4 blocks 14.8-19.1 MB where 16 read 29.5-31.7 (2026-12-05, 64 runs, two at a time), and the budget was
+    # 1.1-12.6 MB under the planner's measure of plain: all "none" came out once in CI and once in 23 local runs.
+    # On 8 blocks it is 19-28 MB under it (12 runs, two at a time; plans of 3-6 of 7 units recomputed).
     assert any(p != "none" for p in record["plan"]), record
     # The allocator's spread, not a count's error: extrapolated from steps of 8 and 16 rows whose peaks vary from run
     # to run, trace to trace and with the load (2026-12-02): the plan's step peaked at 0.89-0.98x its budget alone or
