@@ -682,6 +682,10 @@ def _trained_state(model):
 # then optimizes the code changes none of it. Compiling was two thirds of `largest_fit`'s time on a 2-core CPU
 # (tests/test_fit.py's six blocks of 64, 296 of 439 s); unoptimized, eight of its steps compiled in 28.6 s against
 # 43.8, their bytes the same to the byte (tests/test_budget.py::test_the_compiled_step_is_measured_as_keras_runs_it).
+# Not taken (2026-12-05): `xla_cpu_use_fusion_emitters: False` halved a step's compile on the CPU (a 2-block encoder:
+# 0.93 -> 0.48 s a `step_bytes`), but it changes XLA's fusion, not only the code: keras-hub BERT's step had 416
+# fusions against 445 and held 256 bytes more under each of plain, full and save_dots, float32 and mixed_bfloat16
+# (four other models' 24 such steps the same to the byte). A program measured must be the program that runs.
 MEMORY_ONLY = {"xla_backend_optimization_level": 0}
 
 
