@@ -1610,8 +1610,14 @@ def step_bytes(model, inputs):
     figure is the largest of those peaks above what the allocator held before
     the first (what the step keeps between steps counts: Grappler's
     constant). The peak varies from run to run of one step (by 8% on a small
-    MobileNetV2) and from one trace to the next (MobileNetV2 under "full" at
-    batch 16: 248 and 279 MB, 2026-12-02).
+    MobileNetV2), from one trace to the next (MobileNetV2 under "full" at
+    batch 16: 248 and 279 MB, 2026-12-02) and with the allocator's history
+    in the process (likely its free chunks: BFC hands out one of under twice
+    a request whole, and counts it whole, NOTE [ the allocator's blocks ] in
+    `_fit`): four blocks of 32 channels at 32x32 read 14.8-19.1 MB at 8 rows
+    where 16 read 29.5-31.7 (64 processes, 2026-12-05), and the line through
+    them moved by twice that spread. Collecting Python's garbage first
+    steadied a process's first measure, not its later ones (not taken).
     Every variable and optimizer slot is copied to the host first and put
     back after: the model and its optimizer are as they were. Not at the
     batch itself, which may not fit, where the batch can be cut (NOTE
