@@ -772,14 +772,24 @@ def _planned_policies(model, units, budget, inputs, execution, offload=False):
     costs = _calibrated_costs(model, units, inputs, execution, offload)
     if kind == "fraction":
         value = costs.peak(plain) - (1.0 - value) * costs.activation_bytes(plain)
-    policies = _checked_plan(
-        costs, value, lambda policies: _compiled_peak_of(model, units, policies, inputs, costs, execution, offload)
-    )
+    checked = []  # the peaks of the plans' steps, where a compiler states them or the allocator measured them
+
+    def compiled(policies):
+        peak = _compiled_peak_of(model, units, policies, inputs, costs, execution, offload)
+        if peak is not None:
+            checked.append(peak)
+        return peak
+
+    policies = _checked_plan(costs, value, compiled)
     if policies is None:
         asked = f"{budget!r}" if kind == "bytes" else f"{budget!r}, a peak of {_budget.format_bytes(value)}"
+        least = _budget.format_bytes(costs.floor())
+        if checked and costs.floor() <= value:  # predicted to fit, but no plan's step did
+            least = (f"{_budget.format_bytes(min(checked))}, the least of the {len(checked)} plans' steps measured "
+                     f"(predicted from {least}: the steps peaked over what was predicted)")
         raise ValueError(
             f"keras_recompute: recompute_model(budget={asked}) is below the least peak any plan reaches "
-            f"for this batch, {_budget.format_bytes(costs.floor())} (weights, optimizer and batch alone: "
+            f"for this batch, {least} (weights, optimizer and batch alone: "
             f"{_budget.format_bytes(costs.resident)}). Train with a smaller batch, or allow more memory."
         )
     return policies

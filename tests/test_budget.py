@@ -164,6 +164,35 @@ def test_a_budget_half_way_is_met_with_fewer_blocks_fully_recomputed():
     assert_recomputes_as_planned(make, policies)
 
 
+def test_a_budget_the_plans_are_predicted_under_but_their_steps_miss_says_so(monkeypatch):
+    """Where every plan checked is predicted under the budget but its step, measured (compiled on JAX, run under
+    TensorFlow's allocator for a CNN), peaks over it, the refusal names the least measured peak, not the predicted
+    floor, which is under the budget (a CNN without oneDNN on TensorFlow: "budget=85612308 is below the least peak
+    any plan reaches for this batch, 77.1 MB")."""
+    model = blocks_model()
+    plain = memory_report(model, X)
+    budget = (plain.floor + plain.plain_peak) // 2
+    measured = []
+
+    def over(*args, **kwargs):
+        measured.append(budget + 2_000_000 + len(measured))
+        return measured[-1]
+
+    def refused(costs, value, compiled, *args, **kwargs):  # as `_checked_plan` where each plan's step misses
+        assert costs.floor() <= value
+        for policy in ("full", "save_dots"):
+            assert compiled([policy] * len(costs.units)) > value
+        return None
+
+    monkeypatch.setattr(_model, "_compiled_peak_of", over)
+    monkeypatch.setattr(_model, "_checked_plan", refused)
+    with pytest.raises(ValueError, match="below the least peak") as raised:
+        recompute_model(model, budget=budget, inputs=X)
+    least = _budget.format_bytes(min(measured))
+    assert f"{least}, the least of the {len(measured)} plans' steps measured" in str(raised.value), str(raised.value)
+    assert "predicted from" in str(raised.value)
+
+
 def test_budget_one_recomputes_nothing():
     def make():
         model = blocks_model()
@@ -1207,6 +1236,10 @@ def test_a_cnn_is_planned_with_its_step_run_where_the_allocator_keeps_figures(fr
     a budget meets it as its step runs, and the plan's prediction is not below its step's peak."""
     if framework == "tf_keras":
         pytest.importorskip("tf_keras")
+    if os.environ.get("TF_ENABLE_ONEDNN_OPTS") == "0":
+        # Without oneDNN, TensorFlow's convolutions hold a scratch of a fixed size (the NOTE) that recompute does not
+        # lower: this CNN under full predicted 88.6 MB against plain's 84.1 (2026-12-05), and no budget between them.
+        pytest.skip("without oneDNN this CNN's recompute lowers no peak: nothing to plan")
     env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="1", KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="3")
     done = _fresh.run(["-c", _CNN_CHILD, framework], env=env)
     assert done.returncode == 0, done.stderr[-3000:]
