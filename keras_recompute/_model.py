@@ -783,14 +783,15 @@ def _planned_policies(model, units, budget, inputs, execution, offload=False):
     policies = _checked_plan(costs, value, compiled)
     if policies is None:
         asked = f"{budget!r}" if kind == "bytes" else f"{budget!r}, a peak of {_budget.format_bytes(value)}"
-        least = f", {_budget.format_bytes(costs.floor())}"
+        floor = _budget.format_bytes(costs.floor())
+        reached = f", {floor}"
         if checked and costs.floor() <= value:  # predicted to fit, but no plan's step did
             plans = f"{len(checked)} plans" if len(checked) > 1 else "plan"
-            least = (f": predicted at {_budget.format_bytes(costs.floor())}, but the steps of the {plans} checked, "
-                     f"measured, peaked at {_budget.format_bytes(min(checked))} or more")
+            reached = (f": predicted at {floor}, but the steps of the {plans} checked, measured, peaked at "
+                       f"{_budget.format_bytes(min(checked))} or more")
         raise ValueError(
             f"keras_recompute: recompute_model(budget={asked}) is below the least peak any plan reaches "
-            f"for this batch{least} (weights, optimizer and batch alone: "
+            f"for this batch{reached} (weights, optimizer and batch alone: "
             f"{_budget.format_bytes(costs.resident)}). Train with a smaller batch, or allow more memory."
         )
     return policies

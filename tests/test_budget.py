@@ -1248,8 +1248,8 @@ def test_a_cnn_is_planned_with_its_step_run_where_the_allocator_keeps_figures(fr
     assert record["runs"] and set(record["runs"]) == {8, 16}, record  # never the batch itself: it may not fit
     assert not record["changed"] and not record["line"], record
     # Not "none" everywhere: the budget, half-way between plain's peak and the floor, is under plain's peak by more
-    # than the planner's own measure of plain varies. It extrapolates from 8 and 16 rows, and what 8 rows read depends
-    # on what BFC's free chunks are when it runs (a chunk up to twice a request is handed out whole and counted whole):
+    # than the planner's own measure of plain varies. It extrapolates from 8 and 16 rows, and what 8 rows read varies
+    # with the allocator's history in the process (likely BFC's free chunks; the NOTE in backends/tensorflow.py):
     # on 4 blocks 14.8-19.1 MB where 16 read 29.5-31.7 (2026-12-05, 64 runs, two at a time), and the budget was
     # 1.1-12.6 MB under the planner's measure of plain: all "none" came out once in CI and once in 23 local runs.
     # On 8 blocks it is 19-28 MB under it (12 runs, two at a time; plans of 3-6 of 7 units recomputed).
